@@ -1,0 +1,57 @@
+"""`raymp` command line: train a config, or check/print a resolved config."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import yaml
+
+
+def _parser() -> argparse.ArgumentParser:
+    from raymp import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="raymp", description="Elastic distributed training on Ray (data, ZeRO, pipeline, tensor parallel).",
+    )
+    parser.add_argument("--version", action="version", version=f"raymp {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a model from a YAML config")
+    train.add_argument("config", help="path to a run config, e.g. configs/tiny.yaml")
+    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config field, e.g. --set parallel.dp=2 (repeatable)")
+    train.add_argument("--no-progress", action="store_true", help="no progress output")
+
+    show = sub.add_parser("config", help="validate a config and print it fully resolved")
+    show.add_argument("config")
+    show.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from raymp.config import ConfigError, load_config, resolved_dict
+    from raymp.data import DataError
+    from raymp.runtime.actor_group import PlacementError
+
+    args = _parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.command == "config":
+            print(yaml.safe_dump(resolved_dict(cfg), sort_keys=False), end="")
+            return 0
+        from raymp.trainer import Trainer
+
+        with Trainer(cfg, progress=not args.no_progress) as trainer:
+            trainer.fit()
+        return 0
+    except (ConfigError, DataError, PlacementError) as exc:
+        print(f"raymp: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("raymp: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

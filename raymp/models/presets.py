@@ -1,0 +1,21 @@
+"""Model shapes by name. Tiny/small train on CPU in seconds; the Llama shapes are for planning
+and GPU clusters (their published dims: Llama 3.2 1B, Llama 3.1 8B and 70B)."""
+
+PRESETS: dict[str, dict] = {
+    # vocab_size None: taken from the tokenizer (256 for bytes, 50257 for gpt2).
+    "tiny": dict(vocab_size=None, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=176,
+                 max_seq_len=256, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=True,
+                 init_std=0.02),
+    "small": dict(vocab_size=None, dim=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=688,
+                  max_seq_len=512, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=True,
+                  init_std=0.02),
+    "llama-1b": dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                     ffn_dim=8192, max_seq_len=8192, rope_theta=500000.0, norm_eps=1e-5,
+                     tie_embeddings=True, init_std=0.02),
+    "llama-8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                     ffn_dim=14336, max_seq_len=8192, rope_theta=500000.0, norm_eps=1e-5,
+                     tie_embeddings=False, init_std=0.02),
+    "llama-70b": dict(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                      ffn_dim=28672, max_seq_len=8192, rope_theta=500000.0, norm_eps=1e-5,
+                      tie_embeddings=False, init_std=0.02),
+}

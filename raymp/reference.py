@@ -1,0 +1,45 @@
+"""Plain one-process training: no Ray, no process group, no wrappers. The ground truth that every
+parallel layout is tested against (same seed, same global batch, same data order)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+from raymp.config import RunConfig
+from raymp.data import GlobalOrder, load_packed
+from raymp.loss import lm_loss
+from raymp.models import build_model, model_args
+from raymp.optim import build_optimizer, build_scheduler
+
+
+def train_single_process(cfg: RunConfig, steps: int | None = None) -> tuple[list[float], dict]:
+    """Returns (loss per step, final state dict). Each step averages the loss over the whole
+    global batch, processed in chunks of micro_batch_size (memory only; the math is the same)."""
+    data = load_packed(cfg.data, cfg.train.seq_len, cfg.seed)
+    order = GlobalOrder(len(data.train), cfg.train.global_batch_size, cfg.seed)
+    model = build_model(model_args(cfg.model, data.vocab_size), cfg.seed)
+    optimizer = build_optimizer(model.parameters(), cfg.optimizer)
+    scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.train.steps)
+    autocast = (
+        torch.autocast("cpu", dtype=torch.bfloat16) if cfg.precision == "bf16" else contextlib.nullcontext()
+    )
+    losses = []
+    for step in range(steps or cfg.train.steps):
+        chunks = order.batch(step).reshape(-1, cfg.parallel.micro_batch_size)
+        total = 0.0
+        for ids in chunks:
+            batch = torch.from_numpy(data.train[ids].astype(np.int64))
+            with autocast:
+                loss = lm_loss(model(batch[:, :-1]), batch[:, 1:])
+            (loss / len(chunks)).backward()
+            total += loss.item()
+        if cfg.optimizer.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total / len(chunks))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

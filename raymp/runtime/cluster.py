@@ -1,0 +1,34 @@
+"""Connecting to Ray: the cluster this process runs in (ray job submit sets RAY_ADDRESS), an
+explicit address, or a fresh local instance sized for the run."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+
+def connect(address: str | None, min_cpus: float) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return
+    # A local instance: logical CPUs are oversubscribed if the run asks for more actors than
+    # cores (each actor then runs 1 thread), so a 2-core laptop can still run dp=4.
+    cpus = max(os.cpu_count() or 1, int(min_cpus + 0.999))
+    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+
+
+def resolve_device(requested: str, world_size: int) -> str:
+    """'auto' -> cuda when the cluster has a GPU for every actor, else cpu."""
+    import ray
+
+    if requested != "auto":
+        return requested
+    gpus = ray.cluster_resources().get("GPU", 0)
+    return "cuda" if gpus >= world_size else "cpu"

@@ -1,0 +1,78 @@
+"""MLflow from the driver only, in batches: one run per training run, never one per rank.
+
+Per-call logging costs 4-11 ms on sqlite and 55-85 ms over HTTP (DESIGN.md), so metrics are
+buffered and written with log_batch every `flush_every` steps.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from raymp.config import RunConfig, flatten, resolved_dict
+
+# MLflow limits per log_batch call.
+_MAX_METRICS, _MAX_PARAMS = 1000, 100
+
+
+def default_tracking_uri(output_dir: str) -> str:
+    return f"sqlite:///{Path(output_dir).resolve() / 'mlflow.db'}"
+
+
+class RunTracker:
+    def __init__(self, cfg: RunConfig, run_name: str, tags: dict[str, str]):
+        from mlflow.tracking import MlflowClient
+
+        self.uri = cfg.tracking.tracking_uri or default_tracking_uri(cfg.output_dir)
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        self.client = MlflowClient(tracking_uri=self.uri)
+        exp = self.client.get_experiment_by_name(cfg.tracking.experiment)
+        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(cfg.tracking.experiment)
+        run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
+        self.run_id = run.info.run_id
+        self.flush_every = cfg.tracking.flush_every
+        self._buffer: list = []
+        self.time_in_mlflow_s = 0.0
+        self.finished = False
+        self._log_params(flatten(resolved_dict(cfg)))
+
+    def _timed(self, fn, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.time_in_mlflow_s += time.perf_counter() - t0
+
+    def _log_params(self, params: dict) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)[:6000]) for k, v in sorted(params.items())]
+        for i in range(0, len(items), _MAX_PARAMS):
+            self._timed(self.client.log_batch, self.run_id, params=items[i : i + _MAX_PARAMS])
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        self._buffer += [Metric(k, float(v), ts, step) for k, v in metrics.items() if v is not None]
+        if step % self.flush_every == 0:
+            self.flush()
+
+    def flush(self) -> None:
+        while self._buffer:
+            chunk, self._buffer = self._buffer[:_MAX_METRICS], self._buffer[_MAX_METRICS:]
+            self._timed(self.client.log_batch, self.run_id, metrics=chunk)
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self._timed(self.client.log_text, self.run_id, text, artifact_file)
+
+    def set_tag(self, key: str, value: str) -> None:
+        self._timed(self.client.set_tag, self.run_id, key, value)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        """End the run once (FINISHED, FAILED or KILLED); later calls do nothing."""
+        if self.finished:
+            return
+        self.flush()
+        self._timed(self.client.set_terminated, self.run_id, status)
+        self.finished = True

@@ -1,0 +1,236 @@
+"""The driver: owns the run, decides what each step consumes, and makes one call per actor per step.
+
+    trainer = raymp.Trainer("configs/tiny.yaml", overrides=["parallel.dp=2"])
+    trainer.fit()                 # or: trainer.step() repeatedly, inspecting in between
+    trainer.history[-1]["loss"]; trainer.layout(); trainer.state_dict()
+    trainer.close()
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import time
+import uuid
+from pathlib import Path
+
+import yaml
+
+from raymp.config import RunConfig, config_from_dict, load_config, resolved_dict
+from raymp.data import GlobalOrder, load_packed, replica_slice
+from raymp.parallel.mesh import ParallelDims
+from raymp.progress import StepProgress
+from raymp.runtime.actor_group import ActorGroup
+from raymp.runtime.cluster import connect, resolve_device
+
+
+def as_config(config: RunConfig | str | Path | dict, overrides: list[str] | None = None) -> RunConfig:
+    if isinstance(config, RunConfig):
+        if overrides:
+            return config_from_dict(config.model_dump(mode="json"), overrides)
+        return config
+    if isinstance(config, dict):
+        return config_from_dict(config, overrides)
+    return load_config(config, overrides)
+
+
+class Trainer:
+    def __init__(self, config: RunConfig | str | Path | dict, overrides: list[str] | None = None,
+                 *, actor_group: ActorGroup | None = None, progress: bool = True):
+        self.config = as_config(config, overrides)
+        self._shared_group = actor_group
+        self.group: ActorGroup | None = None
+        self.progress_enabled = progress
+        self.history: list[dict] = []
+        self.tracker = None
+        self.run_name = self.config.tracking.run_name or _default_run_name(self.config)
+        self.run_dir = Path(self.config.output_dir) / self.run_name
+        self._ready = False
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def setup(self) -> "Trainer":
+        if self._ready:
+            return self
+        cfg = self.config
+        p = cfg.parallel
+        self.dims = ParallelDims(p.dp, p.pp, p.tp)
+        self.data = load_packed(cfg.data, cfg.train.seq_len, cfg.seed)
+        self.order = GlobalOrder(len(self.data.train), cfg.train.global_batch_size, cfg.seed)
+        connect(cfg.resources.address, self.dims.world_size * cfg.resources.cpus_per_actor)
+        import ray
+
+        self.device = resolve_device(cfg.resources.device, self.dims.world_size)
+        if self._shared_group is not None:
+            if self._shared_group.world_size != self.dims.world_size:
+                raise ValueError(
+                    f"the actor group given has {self._shared_group.world_size} actors but the "
+                    f"layout needs dp*pp*tp = {self.dims.world_size}"
+                )
+            self.group = self._shared_group
+        else:
+            self.group = ActorGroup(
+                self.dims.world_size, self.device, cfg.resources.cpus_per_actor,
+                cfg.resources.placement_timeout_s, cfg.resources.collective_timeout_s,
+            )
+        samples_ref = ray.put(self.data.train)
+        infos = self.group.call("setup", resolved_dict(cfg), samples_ref, self.data.vocab_size)
+        self.num_params = infos[0]["num_params"]
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(resolved_dict(cfg), sort_keys=False))
+        if cfg.tracking.enabled:
+            from raymp.tracking import RunTracker
+
+            self.tracker = RunTracker(cfg, self.run_name, self._tags())
+            self.tracker.log_text(yaml.safe_dump(resolved_dict(cfg), sort_keys=False), "config.yaml")
+        self._ready = True
+        return self
+
+    def _tags(self) -> dict[str, str]:
+        import ray
+        import torch
+
+        import raymp
+
+        p = self.config.parallel
+        return {
+            "raymp.layout": f"dp{p.dp}-pp{p.pp}-tp{p.tp}-zero{p.zero}",
+            "raymp.dp": str(p.dp), "raymp.pp": str(p.pp), "raymp.tp": str(p.tp),
+            "raymp.zero": str(p.zero), "raymp.world_size": str(self.dims.world_size),
+            "raymp.device": self.device, "raymp.backend": self.group.backend,
+            "raymp.num_params": str(self.num_params),
+            "raymp.version": raymp.__version__, "torch.version": torch.__version__,
+            "ray.version": ray.__version__,
+        }
+
+    # -- stepping ---------------------------------------------------------------------------
+
+    @property
+    def global_step(self) -> int:
+        return len(self.history)
+
+    def step(self) -> dict:
+        """Run one optimizer step on every actor and return the aggregated metrics."""
+        self.setup()
+        cfg = self.config
+        step = self.global_step
+        batch = self.order.batch(step)
+        args = [
+            (replica_slice(batch, self.dims.dp, self.dims.coords(rank)["dp"]),)
+            for rank in range(self.dims.world_size)
+        ]
+        t0 = time.perf_counter()
+        per_rank = self.group.call_per_rank("train_step", args)
+        step_time = time.perf_counter() - t0
+        tokens = cfg.train.global_batch_size * cfg.train.seq_len
+        metrics = {
+            "step": step,
+            "loss": sum(r["loss"] for r in per_rank) / len(per_rank),
+            "grad_norm": per_rank[0]["grad_norm"],
+            "lr": per_rank[0]["lr"],
+            "step_time_s": step_time,
+            "tokens_per_s": tokens / step_time,
+            "peak_mem_bytes_max": max(r["peak_mem_bytes"] for r in per_rank),
+            "per_rank": per_rank,
+        }
+        self.history.append(metrics)
+        if self.tracker is not None:
+            logged = {k: metrics[k] for k in ("loss", "grad_norm", "lr", "step_time_s", "tokens_per_s")}
+            logged["peak_mem_mb_max"] = metrics["peak_mem_bytes_max"] / 2**20
+            for r in per_rank:
+                logged[f"peak_mem_mb.rank{r['rank']}"] = r["peak_mem_bytes"] / 2**20
+            self.tracker.log_metrics(step, logged)
+        return metrics
+
+    def fit(self, steps: int | None = None) -> list[dict]:
+        """Train to `train.steps` (or `steps` more steps). Returns the per-step metrics."""
+        self.setup()
+        target = self.config.train.steps if steps is None else self.global_step + steps
+        target = min(target, self.config.train.steps)
+        bar = StepProgress(self.config.train.steps, self.config.train.log_every, self.progress_enabled)
+        bar.print(self.describe())
+        status = "FAILED"
+        try:
+            while self.global_step < target:
+                bar.update(self.step())
+            status = "FINISHED"
+        except KeyboardInterrupt:
+            status = "KILLED"
+            raise
+        finally:
+            bar.close()
+            done = self.global_step >= self.config.train.steps
+            if self.tracker is not None and (status != "FINISHED" or done):
+                self.tracker.finish(status)
+        bar.print(self.summary())
+        return self.history
+
+    # -- inspection -------------------------------------------------------------------------
+
+    def layout(self) -> list[dict]:
+        """Which actor holds what, where: rank, mesh coordinates, node, pid, GPU ids."""
+        self.setup()
+        return [
+            {"rank": r, **self.dims.coords(r), **info}
+            for r, info in enumerate(self.group.nodes)
+        ]
+
+    def memory(self) -> list[dict]:
+        """Per-rank model-state bytes (params, grads, optimizer) measured at the last step."""
+        if not self.history:
+            raise RuntimeError("no step has run yet; call step() or fit() first")
+        keys = ("rank", "param_bytes", "grad_bytes", "optim_bytes", "peak_mem_bytes")
+        return [{k: r[k] for k in keys} for r in self.history[-1]["per_rank"]]
+
+    def state_dict(self) -> dict:
+        """Full, unsharded model weights on the driver (CPU tensors)."""
+        self.setup()
+        return self.group.call("full_state_dict")[0]
+
+    def describe(self) -> str:
+        p, t = self.config.parallel, self.config.train
+        accum = t.global_batch_size // (p.dp * p.micro_batch_size)
+        return (
+            f"raymp run {self.run_name}: {self.num_params / 1e6:.2f}M params, "
+            f"dp={p.dp} pp={p.pp} tp={p.tp} zero={p.zero} on {self.dims.world_size} {self.device} "
+            f"actor(s) ({self.group.backend}); global batch {t.global_batch_size} x {t.seq_len} tokens "
+            f"= {accum} micro-batch(es) of {p.micro_batch_size} per replica; precision {self.config.precision}"
+        )
+
+    def summary(self) -> str:
+        if not self.history:
+            return "no steps run"
+        h = self.history
+        tail = h[len(h) // 2:] or h
+        tps = sorted(m["tokens_per_s"] for m in tail)[len(tail) // 2]
+        lines = [
+            f"done: {len(h)} steps, loss {h[0]['loss']:.4f} -> {h[-1]['loss']:.4f}, "
+            f"median {tps:,.0f} tokens/s, peak memory {h[-1]['peak_mem_bytes_max'] / 2**20:.0f} MiB/rank",
+        ]
+        if self.tracker is not None:
+            lines.append(
+                f"MLflow run {self.tracker.run_id} in {self.tracker.uri} "
+                f"(view: mlflow ui --backend-store-uri {self.tracker.uri})"
+            )
+        return "\n".join(lines)
+
+    # -- tear-down --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self.tracker is not None:
+            self.tracker.finish("FINISHED")
+        if self.group is not None and self.group is not self._shared_group:
+            self.group.shutdown()
+        self.group = None
+        self._ready = False
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _default_run_name(cfg: RunConfig) -> str:
+    p = cfg.parallel
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return f"{cfg.name}-dp{p.dp}pp{p.pp}tp{p.tp}z{p.zero}-{stamp}-{uuid.uuid4().hex[:4]}"

@@ -1,0 +1,71 @@
+"""Shared fixtures: one local Ray instance for the whole session and actor groups reused across
+tests (Ray start-up costs ~5 s and each actor ~1-2 s here)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("raymp_cache"))
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def _group(world_size):
+    from raymp.runtime.actor_group import ActorGroup
+
+    return ActorGroup(world_size, "cpu", cpus_per_actor=1, placement_timeout_s=60, collective_timeout_s=120)
+
+
+@pytest.fixture(scope="session")
+def group2(ray_local):
+    g = _group(2)
+    yield g
+    g.shutdown()
+
+
+@pytest.fixture(scope="session")
+def group4(ray_local):
+    g = _group(4)
+    yield g
+    g.shutdown()
+
+
+@pytest.fixture
+def tiny_cfg(data_cache, tmp_path):
+    """A small, fast run: the tiny model on KJV bytes, 5 steps, clipping active."""
+
+    def make(**sections) -> dict:
+        cfg = {
+            "name": "test",
+            "seed": 7,
+            "output_dir": str(tmp_path / "runs"),
+            "model": {"preset": "tiny", "max_seq_len": 64},
+            "parallel": {"dp": 2, "zero": 0, "micro_batch_size": 2},
+            "train": {"steps": 5, "global_batch_size": 8, "seq_len": 32, "log_every": 1},
+            "optimizer": {"lr": 1e-2, "warmup_steps": 1, "grad_clip": 1.0},
+            "data": {"source": "kjv", "tokenizer": "byte", "cache_dir": data_cache},
+            "tracking": {"enabled": False},
+        }
+        for section, values in sections.items():
+            if isinstance(values, dict):
+                cfg.setdefault(section, {}).update(values)
+            else:
+                cfg[section] = values
+        return cfg
+
+    return make
