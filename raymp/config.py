@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from raymp.models.presets import PRESETS
 
@@ -41,6 +41,13 @@ class ModelConfig(_Strict):
     tie_embeddings: bool | None = None
     init_std: float | None = Field(None, gt=0)
 
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, v: str | None) -> str | None:
+        if v is not None and v not in PRESETS:
+            raise ValueError(f"unknown preset {v!r}; choose one of {', '.join(sorted(PRESETS))}")
+        return v
+
     @model_validator(mode="after")
     def _fill_from_preset(self) -> "ModelConfig":
         if self.preset is None:
@@ -48,10 +55,6 @@ class ModelConfig(_Strict):
             if missing:
                 raise ValueError(f"without a preset, set model.{', model.'.join(missing)}")
             return self
-        if self.preset not in PRESETS:
-            raise ValueError(
-                f"unknown preset {self.preset!r}; choose one of {', '.join(sorted(PRESETS))}"
-            )
         for key, value in PRESETS[self.preset].items():
             if getattr(self, key) is None:
                 object.__setattr__(self, key, value)
@@ -172,6 +175,12 @@ class RunConfig(_Strict):
 def _check_run(cfg: RunConfig) -> None:
     """Cross-section checks. Each raises with the offending field's dotted name and a fix."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
+    if m.n_heads % p.tp:
+        raise ValueError(f"parallel.tp ({p.tp}) must divide model.n_heads ({m.n_heads})")
+    if m.n_kv_heads % p.tp:
+        raise ValueError(f"parallel.tp ({p.tp}) must divide model.n_kv_heads ({m.n_kv_heads})")
+    if p.pp > m.n_layers:
+        raise ValueError(f"parallel.pp ({p.pp}) cannot exceed model.n_layers ({m.n_layers})")
     if p.pp > 1:
         raise ValueError(
             "parallel.pp > 1 is not implemented yet (pipeline parallelism is tracked in its own "
@@ -182,12 +191,6 @@ def _check_run(cfg: RunConfig) -> None:
             "parallel.tp > 1 is not implemented yet (tensor parallelism is tracked in its own "
             "issue); set parallel.tp=1"
         )
-    if m.n_heads % p.tp:
-        raise ValueError(f"parallel.tp ({p.tp}) must divide model.n_heads ({m.n_heads})")
-    if m.n_kv_heads % p.tp:
-        raise ValueError(f"parallel.tp ({p.tp}) must divide model.n_kv_heads ({m.n_kv_heads})")
-    if p.pp > m.n_layers:
-        raise ValueError(f"parallel.pp ({p.pp}) cannot exceed model.n_layers ({m.n_layers})")
     devices = cfg.resources.devices
     if devices is not None and devices != p.world_size:
         raise ValueError(
@@ -199,7 +202,7 @@ def _check_run(cfg: RunConfig) -> None:
         raise ValueError(
             f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
             f"parallel.dp * parallel.micro_batch_size = {p.dp}*{p.micro_batch_size} = {per_step}; "
-            f"try train.global_batch_size={max(per_step, t.global_batch_size // per_step * per_step)}"
+            f"try train.global_batch_size={_nearest_multiples(t.global_batch_size, per_step)}"
         )
     if t.seq_len > m.max_seq_len:
         raise ValueError(
@@ -230,6 +233,11 @@ def _check_run(cfg: RunConfig) -> None:
         raise ValueError(f"model.vocab_size ({m.vocab_size}) must be >= 256 for the byte tokenizer")
 
 
+def _nearest_multiples(value: int, unit: int) -> str:
+    below, above = value // unit * unit, (value // unit + 1) * unit
+    return f"{below} or {above}" if below else str(above)
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading
 
@@ -257,7 +265,7 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         msg = e["msg"].removeprefix("Value error, ")
         shown = e.get("input")
         got = "" if isinstance(shown, dict) or not e["loc"] else f" (got {shown!r})"
-        lines.append(f"  {where}: {msg}{got}")
+        lines.append(f"  {where}: {msg}{got}" if e["loc"] else f"  {msg}")
     return "\n".join(lines)
 
 

@@ -1,0 +1,51 @@
+"""The command line as a user runs it: a real training run in a fresh process with its own local
+Ray, bad configs that exit 2 with one message and no traceback, and the README/CI contract."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def raymp(*args, cwd=ROOT, timeout=300):
+    env = {**os.environ, "RAY_ADDRESS": ""}  # never attach to a cluster from the test session
+    return subprocess.run([sys.executable, "-m", "raymp.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_train_tiny_prints_falling_loss(tmp_path, data_cache):
+    out = raymp("train", "configs/tiny.yaml", "--set", "train.steps=12", "--set", "train.log_every=4",
+                "--set", "optimizer.warmup_steps=2", "--set", f"output_dir={tmp_path}",
+                "--set", f"data.cache_dir={data_cache}")
+    assert out.returncode == 0, out.stdout + out.stderr
+    losses = [float(x) for x in re.findall(r"^step\s+\d+/12\s+loss (\d+\.\d+)", out.stdout, re.M)]
+    assert len(losses) >= 3 and losses[-1] < losses[0] - 0.5, out.stdout
+    assert "dp=2 pp=1 tp=1 zero=2" in out.stdout
+    assert "MLflow run" in out.stdout and (tmp_path / "mlflow.db").is_file()
+
+
+def test_bad_config_exits_2_with_field_and_no_traceback():
+    out = raymp("train", "configs/tiny.yaml", "--set", "parallel.tp=3")
+    assert out.returncode == 2
+    assert "parallel.tp (3) must divide model.n_heads (4)" in out.stderr
+    assert "Traceback" not in out.stderr
+    out = raymp("train", "configs/nope.yaml")
+    assert out.returncode == 2 and "not found" in out.stderr
+
+
+def test_config_command_prints_resolved_yaml():
+    out = raymp("config", "configs/tiny.yaml", "--set", "parallel.zero=3")
+    assert out.returncode == 0 and "zero: 3" in out.stdout and "dim: 64" in out.stdout
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, re.S)
+    test_cmd = next(b.strip() for b in blocks if "pytest" in b)
+    assert test_cmd in ci, "the README's test command and .ci/run have drifted apart"

@@ -1,0 +1,94 @@
+"""Config loading: presets resolve, overrides apply, and each kind of bad config fails at load with
+one message that names the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from raymp.config import ConfigError, config_from_dict, load_config, parse_override
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
+    assert cfg.parallel.world_size >= 1
+
+
+def test_preset_fills_unset_fields_and_explicit_fields_win():
+    cfg = config_from_dict({"model": {"preset": "tiny", "n_layers": 2}})
+    assert cfg.model.dim == 64 and cfg.model.n_layers == 2
+
+
+def test_dotted_overrides_parse_yaml_values(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("parallel: {dp: 2, micro_batch_size: 2}\ntrain: {global_batch_size: 8}\n")
+    cfg = load_config(path, ["parallel.zero=3", "optimizer.lr=1e-3", "optimizer.grad_clip=null",
+                             "parallel.activation_checkpointing=true"])
+    assert cfg.parallel.zero == 3 and cfg.optimizer.lr == 1e-3
+    assert cfg.optimizer.grad_clip is None and cfg.parallel.activation_checkpointing is True
+
+
+def test_parse_override_splits_path_and_value():
+    assert parse_override("a.b.c=4") == (["a", "b", "c"], 4)
+    assert parse_override("name=x=y") == (["name"], "x=y")
+
+
+BAD = {
+    "unknown top-level key": ({"paralel": {"dp": 2}}, ["paralel", "unknown key", "parallel"]),
+    "unknown nested key": ({"parallel": {"dpp": 2}}, ["parallel.dpp", "unknown key", "dp,"]),
+    "zero out of range": ({"parallel": {"zero": 4}}, ["parallel.zero"]),
+    "tp does not divide heads": ({"parallel": {"tp": 3}}, ["parallel.tp (3)", "model.n_heads (4)"]),
+    "tp does not divide kv heads": ({"model": {"n_heads": 8, "n_kv_heads": 2}, "parallel": {"tp": 4}},
+                                    ["parallel.tp (4)", "model.n_kv_heads (2)"]),
+    "devices mismatch": ({"parallel": {"dp": 2}, "train": {"global_batch_size": 16}, "resources": {"devices": 4}},
+                         ["resources.devices (4)", "dp*pp*tp"]),
+    "batch not divisible": ({"parallel": {"dp": 2, "micro_batch_size": 4}, "train": {"global_batch_size": 12}},
+                            ["train.global_batch_size (12)", "8 or 16"]),
+    "seq_len beyond context": ({"train": {"seq_len": 512}}, ["train.seq_len (512)", "model.max_seq_len (256)"]),
+    "unknown preset": ({"model": {"preset": "gpt5"}}, ["model.preset", "tiny"]),
+    "heads vs kv heads": ({"model": {"n_heads": 4, "n_kv_heads": 3}}, ["model.n_heads (4)", "model.n_kv_heads (3)"]),
+    "dim vs heads": ({"model": {"dim": 66}}, ["model.dim (66)", "model.n_heads"]),
+    "negative lr": ({"optimizer": {"lr": -1}}, ["optimizer.lr", "greater than 0"]),
+    "warmup beyond steps": ({"train": {"steps": 10}, "optimizer": {"warmup_steps": 10}}, ["optimizer.warmup_steps (10)"]),
+    "offload without sharding": ({"optimizer": {"cpu_offload": True}}, ["optimizer.cpu_offload", "parallel.zero"]),
+    "fp16 on cpu": ({"precision": "fp16"}, ["fp16", "bf16"]),
+    "wrong type": ({"parallel": {"dp": "two"}}, ["parallel.dp", "integer"]),
+    "no preset and missing fields": ({"model": {"preset": None, "dim": 64}}, ["model.n_layers"]),
+    "vocab too small for gpt2": ({"model": {"vocab_size": 1000}, "data": {"tokenizer": "gpt2"}}, ["model.vocab_size (1000)"]),
+    "pipeline not yet": ({"parallel": {"pp": 2}}, ["parallel.pp", "not implemented"]),
+    "unknown tokenizer": ({"data": {"tokenizer": "sentencepiece"}}, ["data.tokenizer"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD), ids=str)
+def test_bad_config_gets_one_clear_error(case):
+    data, needles = BAD[case]
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(data)
+    text = str(err.value)
+    for needle in needles:
+        assert needle in text, f"{case}: {needle!r} not in:\n{text}"
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(scalar)
+
+
+def test_malformed_override():
+    with pytest.raises(ConfigError, match="key.path=value"):
+        config_from_dict({}, ["parallel.dp"])
+    with pytest.raises(ConfigError, match="is a value, not a section"):
+        config_from_dict({"seed": 1}, ["seed.x=1"])

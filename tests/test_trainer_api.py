@@ -1,0 +1,60 @@
+"""The Python API a notebook uses: step and inspect, then fit; and what lands in MLflow."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from raymp.runtime.actor_group import ActorGroup, PlacementError
+from raymp.trainer import Trainer
+
+
+def test_step_inspect_fit_and_mlflow_run(group2, tiny_cfg, tmp_path):
+    cfg = tiny_cfg(parallel={"dp": 2, "zero": 3, "micro_batch_size": 2},
+                   tracking={"enabled": True, "experiment": "api-test", "flush_every": 2})
+    with Trainer(cfg, actor_group=group2, progress=False) as trainer:
+        first = trainer.step()
+        assert first["step"] == 0 and first["loss"] > 0 and first["tokens_per_s"] > 0
+        assert len(first["per_rank"]) == 2 and {r["rank"] for r in first["per_rank"]} == {0, 1}
+        layout = trainer.layout()
+        assert [(r["rank"], r["dp"], r["pp"], r["tp"]) for r in layout] == [(0, 0, 0, 0), (1, 1, 0, 0)]
+        assert all(r["node_id"] and r["pid"] and r["threads"] == 1 for r in layout)
+        assert layout[0]["pid"] != layout[1]["pid"]
+        mem = trainer.memory()
+        assert mem[0]["param_bytes"] * 2 == trainer.num_params * 4  # zero 3: half the fp32 weights
+        history = trainer.fit()  # continues from step 1 to train.steps
+        assert [m["step"] for m in history] == [0, 1, 2, 3, 4]
+        run_id, uri = trainer.tracker.run_id, trainer.tracker.uri
+        assert (trainer.run_dir / "config.yaml").is_file()
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["parallel.dp"] == "2" and run.data.params["parallel.zero"] == "3"
+    assert run.data.params["model.dim"] == "64"  # resolved from the preset
+    assert run.data.tags["raymp.layout"] == "dp2-pp1-tp1-zero3"
+    losses = client.get_metric_history(run_id, "loss")
+    assert [m.step for m in sorted(losses, key=lambda m: m.step)] == [0, 1, 2, 3, 4]
+    assert [m.value for m in sorted(losses, key=lambda m: m.step)] == pytest.approx([h["loss"] for h in history])
+    for key in ("grad_norm", "lr", "tokens_per_s", "step_time_s", "peak_mem_mb_max", "peak_mem_mb.rank1"):
+        assert len(client.get_metric_history(run_id, key)) == 5, key
+    artifacts = [a.path for a in client.list_artifacts(run_id)]
+    assert "config.yaml" in artifacts
+
+
+def test_actor_group_size_must_match_layout(group2, tiny_cfg):
+    cfg = tiny_cfg(parallel={"dp": 4, "zero": 0, "micro_batch_size": 1})
+    with pytest.raises(ValueError, match="has 2 actors but the layout needs dp\\*pp\\*tp = 4"):
+        Trainer(cfg, actor_group=group2, progress=False).setup()
+
+
+def test_unplaceable_layout_fails_after_bounded_wait(ray_local):
+    t0 = time.perf_counter()
+    with pytest.raises(PlacementError, match=r"could not place 2 actors .*CPU.: 64.*placement_timeout_s"):
+        ActorGroup(2, "cpu", cpus_per_actor=64, placement_timeout_s=2)
+    assert time.perf_counter() - t0 < 30
+    # The pending placement group was removed: nothing is left reserved.
+    assert ray_local.available_resources().get("CPU", 0) >= 0
