@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from raymp.config import ConfigError, load_config, resolved_dict
     from raymp.data import DataError
     from raymp.runtime.actor_group import PlacementError
+    from raymp.trainer import WorkerLostError
 
     args = _parser().parse_args(argv)
     try:
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         with Trainer(cfg, progress=not args.no_progress) as trainer:
             trainer.fit()
         return 0
-    except (ConfigError, DataError, PlacementError) as exc:
+    except (ConfigError, DataError, PlacementError, WorkerLostError) as exc:
         print(f"raymp: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

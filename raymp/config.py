@@ -172,6 +172,13 @@ class RunConfig(_Strict):
         return self
 
 
+CPU_OFFLOAD_ON_CPU = (
+    "optimizer.cpu_offload needs GPU actors (FSDP2's CPUOffloadPolicy moves state off the "
+    "accelerator); on CPU actors optimizer state already lives in host memory: set "
+    "optimizer.cpu_offload=false"
+)
+
+
 def _check_run(cfg: RunConfig) -> None:
     """Cross-section checks. Each raises with the offending field's dotted name and a fix."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
@@ -219,6 +226,8 @@ def _check_run(cfg: RunConfig) -> None:
             "optimizer.cpu_offload needs parallel.zero 2 or 3 (FSDP2's offload policy); "
             "set parallel.zero=2 or optimizer.cpu_offload=false"
         )
+    if cfg.optimizer.cpu_offload and cfg.resources.device == "cpu":
+        raise ValueError(CPU_OFFLOAD_ON_CPU)
     if cfg.precision == "fp16" and cfg.resources.device != "cuda":
         raise ValueError(
             "precision fp16 runs at ~1 GFLOP/s on CPU and needs loss scaling; use precision=bf16 "

@@ -15,12 +15,20 @@ from pathlib import Path
 
 import yaml
 
-from raymp.config import RunConfig, config_from_dict, load_config, resolved_dict
+from raymp.config import CPU_OFFLOAD_ON_CPU, ConfigError, RunConfig, config_from_dict, load_config, resolved_dict
 from raymp.data import GlobalOrder, load_packed, replica_slice
 from raymp.parallel.mesh import ParallelDims
 from raymp.progress import StepProgress
 from raymp.runtime.actor_group import ActorGroup
 from raymp.runtime.cluster import connect, resolve_device
+
+
+class WorkerLostError(RuntimeError):
+    """An actor (or its node) died mid-run."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
 
 
 def as_config(config: RunConfig | str | Path | dict, overrides: list[str] | None = None) -> RunConfig:
@@ -60,6 +68,8 @@ class Trainer:
         import ray
 
         self.device = resolve_device(cfg.resources.device, self.dims.world_size)
+        if self.device == "cpu" and cfg.optimizer.cpu_offload:
+            raise ConfigError(CPU_OFFLOAD_ON_CPU + " (resources.device=auto found no GPUs)")
         if self._shared_group is not None:
             if self._shared_group.world_size != self.dims.world_size:
                 raise ValueError(
@@ -111,6 +121,8 @@ class Trainer:
     def step(self) -> dict:
         """Run one optimizer step on every actor and return the aggregated metrics."""
         self.setup()
+        import ray
+
         cfg = self.config
         step = self.global_step
         batch = self.order.batch(step)
@@ -119,7 +131,10 @@ class Trainer:
             for rank in range(self.dims.world_size)
         ]
         t0 = time.perf_counter()
-        per_rank = self.group.call_per_rank("train_step", args)
+        try:
+            per_rank = self.group.call_per_rank("train_step", args)
+        except ray.exceptions.RayActorError as exc:
+            raise WorkerLostError(self._describe_loss(exc), step) from exc
         step_time = time.perf_counter() - t0
         tokens = cfg.train.global_batch_size * cfg.train.seq_len
         metrics = {
@@ -140,6 +155,13 @@ class Trainer:
                 logged[f"peak_mem_mb.rank{r['rank']}"] = r["peak_mem_bytes"] / 2**20
             self.tracker.log_metrics(step, logged)
         return metrics
+
+    def _describe_loss(self, exc) -> str:
+        actor_id = getattr(exc, "actor_id", None)
+        rank = next((r for r, w in enumerate(self.group.workers) if w._actor_id.hex() == actor_id), None)
+        where = f"rank {rank} on node {self.group.nodes[rank]['node_ip']}" if rank is not None else "an actor"
+        return (f"{where} died during step {self.global_step}; the run stopped (elastic restart is "
+                f"not implemented yet). Cause: {str(exc).splitlines()[0]}")
 
     def fit(self, steps: int | None = None) -> list[dict]:
         """Train to `train.steps` (or `steps` more steps). Returns the per-step metrics."""

@@ -56,6 +56,7 @@ BAD = {
     "warmup beyond steps": ({"train": {"steps": 10}, "optimizer": {"warmup_steps": 10}}, ["optimizer.warmup_steps (10)"]),
     "offload without sharding": ({"optimizer": {"cpu_offload": True}}, ["optimizer.cpu_offload", "parallel.zero"]),
     "fp16 on cpu": ({"precision": "fp16"}, ["fp16", "bf16"]),
+    "cpu offload on cpu actors": ({"parallel": {"zero": 2}, "resources": {"device": "cpu"}, "optimizer": {"cpu_offload": True}}, ["optimizer.cpu_offload needs GPU"]),
     "wrong type": ({"parallel": {"dp": "two"}}, ["parallel.dp", "integer"]),
     "no preset and missing fields": ({"model": {"preset": None, "dim": 64}}, ["model.n_layers"]),
     "vocab too small for gpt2": ({"model": {"vocab_size": 1000}, "data": {"tokenizer": "gpt2"}}, ["model.vocab_size (1000)"]),

@@ -58,3 +58,22 @@ def test_unplaceable_layout_fails_after_bounded_wait(ray_local):
     assert time.perf_counter() - t0 < 30
     # The pending placement group was removed: nothing is left reserved.
     assert ray_local.available_resources().get("CPU", 0) >= 0
+
+
+def test_dead_actor_stops_the_run_with_a_clear_error_not_a_hang(ray_local, tiny_cfg):
+    from raymp.trainer import WorkerLostError
+
+    group = ActorGroup(2, "cpu", placement_timeout_s=60, collective_timeout_s=120)
+    try:
+        trainer = Trainer(tiny_cfg(parallel={"dp": 2, "zero": 2, "micro_batch_size": 2}),
+                          actor_group=group, progress=False)
+        trainer.step()
+        ray_local.kill(group.workers[1])
+        t0 = time.perf_counter()
+        with pytest.raises(WorkerLostError, match=r"rank 1 on node .* died during step 1") as err:
+            trainer.step()
+        # Learned from Ray's actor-death signal, not from the 120 s collective timeout.
+        assert time.perf_counter() - t0 < 60
+        assert err.value.step == 1
+    finally:
+        group.shutdown()

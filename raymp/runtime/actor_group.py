@@ -60,16 +60,26 @@ class ActorGroup:
 
     def call(self, method: str, *args, **kwargs) -> list:
         """The same call on every rank, in parallel; returns results in rank order."""
-        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+        return _gather([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
 
     def call_per_rank(self, method: str, args_per_rank: list[tuple]) -> list:
-        return ray.get([getattr(w, method).remote(*a) for w, a in zip(self.workers, args_per_rank)])
+        return _gather([getattr(w, method).remote(*a) for w, a in zip(self.workers, args_per_rank)])
 
     def shutdown(self) -> None:
         for w in self.workers:
             ray.kill(w)
         remove_placement_group(self.pg)
         self.workers = []
+
+
+def _gather(refs: list) -> list:
+    """Like ray.get(refs), but raises as soon as any call fails: survivors of a dead peer sit in
+    a collective until its timeout, and we must not wait for them to learn of the death."""
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        ray.get(done[0])
+    return ray.get(refs)
 
 
 def _fmt(res: dict) -> str:
