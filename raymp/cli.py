@@ -12,7 +12,7 @@ def _parser() -> argparse.ArgumentParser:
     from raymp import __version__
 
     parser = argparse.ArgumentParser(
-        prog="raymp", description="Elastic distributed training on Ray (data, ZeRO, pipeline, tensor parallel).",
+        prog="raymp", description="Distributed training of large models on Ray actors.",
     )
     parser.add_argument("--version", action="version", version=f"raymp {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
