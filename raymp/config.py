@@ -22,7 +22,7 @@ class ConfigError(ValueError):
 
 class _Strict(BaseModel):
     # Unknown keys are typos far more often than intent: reject them.
-    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+    model_config = ConfigDict(extra="forbid")
 
 
 class ModelConfig(_Strict):

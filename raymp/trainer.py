@@ -13,6 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
+import ray
 import yaml
 
 from raymp.config import CPU_OFFLOAD_ON_CPU, ConfigError, RunConfig, config_from_dict, load_config, resolved_dict
@@ -65,8 +66,6 @@ class Trainer:
         self.data = load_packed(cfg.data, cfg.train.seq_len, cfg.seed)
         self.order = GlobalOrder(len(self.data.train), cfg.train.global_batch_size, cfg.seed)
         connect(cfg.resources.address, self.dims.world_size * cfg.resources.cpus_per_actor)
-        import ray
-
         self.device = resolve_device(cfg.resources.device, self.dims.world_size)
         if self.device == "cpu" and cfg.optimizer.cpu_offload:
             raise ConfigError(CPU_OFFLOAD_ON_CPU + " (resources.device=auto found no GPUs)")
@@ -96,7 +95,6 @@ class Trainer:
         return self
 
     def _tags(self) -> dict[str, str]:
-        import ray
         import torch
 
         import raymp
@@ -121,8 +119,6 @@ class Trainer:
     def step(self) -> dict:
         """Run one optimizer step on every actor and return the aggregated metrics."""
         self.setup()
-        import ray
-
         cfg = self.config
         step = self.global_step
         batch = self.order.batch(step)
