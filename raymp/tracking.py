@@ -27,7 +27,18 @@ class RunTracker:
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         self.client = MlflowClient(tracking_uri=self.uri)
         exp = self.client.get_experiment_by_name(cfg.tracking.experiment)
-        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(cfg.tracking.experiment)
+        if exp is not None:
+            self.experiment_id = exp.experiment_id
+        else:
+            # With the embedded store, keep artifacts beside the database: MLflow's default
+            # artifact root is ./mlruns in the *current* directory, which scatters run data and
+            # can later flip MLflow's own default store (DESIGN.md).
+            location = None
+            if cfg.tracking.tracking_uri is None:
+                location = (Path(cfg.output_dir).resolve() / "mlartifacts").as_uri()
+            self.experiment_id = self.client.create_experiment(
+                cfg.tracking.experiment, artifact_location=location
+            )
         run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
         self.run_id = run.info.run_id
         self.flush_every = cfg.tracking.flush_every

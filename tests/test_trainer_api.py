@@ -43,6 +43,10 @@ def test_step_inspect_fit_and_mlflow_run(group2, tiny_cfg, tmp_path):
         assert len(client.get_metric_history(run_id, key)) == 5, key
     artifacts = [a.path for a in client.list_artifacts(run_id)]
     assert "config.yaml" in artifacts
+    # Artifacts live beside the embedded database, never in ./mlruns of the working directory.
+    out = (tmp_path / "runs").resolve()
+    assert run.info.artifact_uri.startswith(out.as_uri()), run.info.artifact_uri
+    assert (out / "mlartifacts").is_dir()
 
 
 def test_actor_group_size_must_match_layout(group2, tiny_cfg):
