@@ -273,7 +273,7 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
             continue
         msg = e["msg"].removeprefix("Value error, ")
         shown = e.get("input")
-        got = "" if isinstance(shown, dict) or not e["loc"] else f" (got {shown!r})"
+        got = "" if isinstance(shown, dict) else f" (got {shown!r})"
         lines.append(f"  {where}: {msg}{got}" if e["loc"] else f"  {msg}")
     return "\n".join(lines)
 

@@ -67,8 +67,12 @@ class DataParallelEngine:
     def optimizer_params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
+    def local_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer whose state lives on this rank."""
+        return self.optimizer
+
     def optimizer_state_tensors(self):
-        for state in self.optimizer.state.values():
+        for state in self.local_optimizer().state.values():
             for v in state.values():
                 if torch.is_tensor(v) and v.dim() > 0:  # skip scalar 'step' counters
                     yield v
@@ -113,12 +117,8 @@ class DDPEngine(DataParallelEngine):
         # Gradient accumulation: only the last micro-batch's backward all-reduces.
         return contextlib.nullcontext() if is_last_micro_batch else self.model.no_sync()
 
-    def optimizer_state_tensors(self):
-        inner = getattr(self.optimizer, "optim", self.optimizer)  # ZeRO-1: this rank's shard
-        for state in inner.state.values():
-            for v in state.values():
-                if torch.is_tensor(v) and v.dim() > 0:
-                    yield v
+    def local_optimizer(self) -> torch.optim.Optimizer:
+        return getattr(self.optimizer, "optim", self.optimizer)  # ZeRO-1: this rank's shard
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone().cpu() for k, v in self.module.state_dict().items()}
