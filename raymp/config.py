@@ -95,10 +95,32 @@ class ParallelConfig(_Strict):
     zero: Literal[0, 1, 2, 3] = 0
     micro_batch_size: int = Field(1, ge=1, description="sequences per micro-batch per replica")
     activation_checkpointing: bool = False
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zbv", "dualpipev"] = Field(
+        "1f1b", description="pipeline schedule when pp > 1"
+    )
+    virtual_stages: int | None = Field(
+        None, ge=2, description="stages per rank for schedule=interleaved (default 2)"
+    )
+    stage_layers: list[list[int]] | None = Field(
+        None, description="layer indices of each pipeline stage, in order; default: balanced by cost"
+    )
 
     @property
     def world_size(self) -> int:
         return self.dp * self.pp * self.tp
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Interleaved holds v stages per rank; the V-shaped schedules (zbv, dualpipev) hold 2."""
+        if self.pp == 1:
+            return 1
+        if self.schedule == "interleaved":
+            return self.virtual_stages or 2
+        return 2 if self.schedule in ("zbv", "dualpipev") else 1
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
 
 
 class OptimizerConfig(_Strict):
@@ -186,13 +208,7 @@ def _check_run(cfg: RunConfig) -> None:
         raise ValueError(f"parallel.tp ({p.tp}) must divide model.n_heads ({m.n_heads})")
     if m.n_kv_heads % p.tp:
         raise ValueError(f"parallel.tp ({p.tp}) must divide model.n_kv_heads ({m.n_kv_heads})")
-    if p.pp > m.n_layers:
-        raise ValueError(f"parallel.pp ({p.pp}) cannot exceed model.n_layers ({m.n_layers})")
-    if p.pp > 1:
-        raise ValueError(
-            "parallel.pp > 1 is not implemented yet (pipeline parallelism is tracked in its own "
-            "issue); set parallel.pp=1"
-        )
+    _check_pipeline(cfg)
     if p.tp > 1:
         raise ValueError(
             "parallel.tp > 1 is not implemented yet (tensor parallelism is tracked in its own "
@@ -240,6 +256,54 @@ def _check_run(cfg: RunConfig) -> None:
         )
     if m.vocab_size is not None and cfg.data.tokenizer == "byte" and m.vocab_size < 256:
         raise ValueError(f"model.vocab_size ({m.vocab_size}) must be >= 256 for the byte tokenizer")
+
+
+def _check_pipeline(cfg: RunConfig) -> None:
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    if p.virtual_stages is not None and p.schedule != "interleaved":
+        raise ValueError(
+            f"parallel.virtual_stages applies to schedule=interleaved only (schedule is "
+            f"{p.schedule!r}); remove it"
+        )
+    if p.pp == 1:
+        if p.stage_layers is not None:
+            raise ValueError("parallel.stage_layers needs parallel.pp > 1; remove it")
+        return
+    stages = p.num_stages
+    if stages > m.n_layers:
+        raise ValueError(
+            f"parallel.pp={p.pp} with schedule {p.schedule} makes {stages} pipeline stages but "
+            f"model.n_layers is {m.n_layers}; every stage needs at least one layer: lower "
+            f"parallel.pp{' or parallel.virtual_stages' if p.schedule == 'interleaved' else ''}"
+        )
+    if p.stage_layers is not None:
+        flat = [i for layers in p.stage_layers for i in layers]
+        if len(p.stage_layers) != stages or any(not layers for layers in p.stage_layers):
+            raise ValueError(
+                f"parallel.stage_layers must list {stages} non-empty stages (pp x stages per rank "
+                f"for {p.schedule}); got {len(p.stage_layers)}"
+            )
+        if flat != list(range(m.n_layers)):
+            raise ValueError(
+                f"parallel.stage_layers must split layers 0..{m.n_layers - 1} into consecutive "
+                f"runs, in order, each layer once; got {p.stage_layers}"
+            )
+    micro = t.global_batch_size // (p.dp * p.micro_batch_size)
+    need = {"1f1b": p.pp, "zbv": 2 * p.pp, "dualpipev": 2 * p.pp}.get(p.schedule, 1)
+    if micro < need:
+        raise ValueError(
+            f"schedule {p.schedule} with parallel.pp={p.pp} needs at least {need} micro-batches per "
+            f"replica, but train.global_batch_size / (parallel.dp * parallel.micro_batch_size) = "
+            f"{micro}; raise train.global_batch_size to {need * p.dp * p.micro_batch_size} or "
+            f"lower parallel.micro_batch_size"
+        )
+    rounds = max(1, micro // p.pp)
+    if p.schedule == "interleaved" and micro % rounds:
+        raise ValueError(
+            f"schedule interleaved needs the micro-batch count ({micro}) to be a multiple of "
+            f"max(1, micro-batches // pp) = {rounds}; use a multiple of parallel.pp={p.pp} "
+            f"micro-batches per replica"
+        )
 
 
 def _nearest_multiples(value: int, unit: int) -> str:

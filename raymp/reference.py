@@ -43,3 +43,19 @@ def train_single_process(cfg: RunConfig, steps: int | None = None) -> tuple[list
         optimizer.zero_grad(set_to_none=True)
         losses.append(total / len(chunks))
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def single_process_gradients(cfg: RunConfig) -> dict[str, torch.Tensor]:
+    """Gradient of the first step's loss (mean over its micro-batches) for every parameter, by
+    name, before clipping or any update: what each parallel layout must reproduce exactly."""
+    data = load_packed(cfg.data, cfg.train.seq_len, cfg.seed)
+    order = GlobalOrder(len(data.train), cfg.train.global_batch_size, cfg.seed)
+    model = build_model(model_args(cfg.model, data.vocab_size), cfg.seed)
+    chunks = order.batch(0).reshape(-1, cfg.parallel.micro_batch_size)
+    for ids in chunks:
+        batch = torch.from_numpy(data.train[ids].astype(np.int64))
+        (lm_loss(model(batch[:, :-1]), batch[:, 1:]) / len(chunks)).backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    if model.args.tie_embeddings:
+        grads["output.weight"] = grads["tok_embeddings.weight"]
+    return grads

@@ -77,6 +77,9 @@ class RunTracker:
     def log_text(self, text: str, artifact_file: str) -> None:
         self._timed(self.client.log_text, self.run_id, text, artifact_file)
 
+    def log_artifact(self, path) -> None:
+        self._timed(self.client.log_artifact, self.run_id, str(path))
+
     def set_tag(self, key: str, value: str) -> None:
         self._timed(self.client.set_tag, self.run_id, key, value)
 

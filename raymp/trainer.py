@@ -18,6 +18,7 @@ import yaml
 
 from raymp.config import CPU_OFFLOAD_ON_CPU, ConfigError, RunConfig, config_from_dict, load_config, resolved_dict
 from raymp.data import GlobalOrder, load_packed, replica_slice
+from raymp.models import count_parameters, model_args
 from raymp.parallel.mesh import ParallelDims
 from raymp.progress import StepProgress
 from raymp.runtime.actor_group import ActorGroup
@@ -83,7 +84,11 @@ class Trainer:
             )
         samples_ref = ray.put(self.data.train)
         infos = self.group.call("setup", resolved_dict(cfg), samples_ref, self.data.vocab_size)
-        self.num_params = infos[0]["num_params"]
+        self.num_params = count_parameters(model_args(cfg.model, self.data.vocab_size))
+        self._stages_by_rank = [info.get("stages", {}) for info in infos]
+        if self.dims.pp > 1:
+            stages = {s: layers for per_rank in self._stages_by_rank for s, layers in per_rank.items()}
+            self.stage_layers = [stages[s] for s in sorted(stages)]
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(resolved_dict(cfg), sort_keys=False))
         if cfg.tracking.enabled:
@@ -122,10 +127,11 @@ class Trainer:
         cfg = self.config
         step = self.global_step
         batch = self.order.batch(step)
-        args = [
-            (replica_slice(batch, self.dims.dp, self.dims.coords(rank)["dp"]),)
-            for rank in range(self.dims.world_size)
-        ]
+        # Only first-stage ranks (pp rank 0, for every schedule) read data; the others get None.
+        args = []
+        for rank in range(self.dims.world_size):
+            c = self.dims.coords(rank)
+            args.append((replica_slice(batch, self.dims.dp, c["dp"]) if c["pp"] == 0 else None,))
         t0 = time.perf_counter()
         try:
             per_rank = self.group.call_per_rank("train_step", args)
@@ -133,24 +139,72 @@ class Trainer:
             raise WorkerLostError(self._describe_loss(exc), step) from exc
         step_time = time.perf_counter() - t0
         tokens = cfg.train.global_batch_size * cfg.train.seq_len
+        losses = [r["loss"] for r in per_rank if r["loss"] is not None]  # last stages only
         metrics = {
             "step": step,
-            "loss": sum(r["loss"] for r in per_rank) / len(per_rank),
+            "loss": sum(losses) / len(losses),
             "grad_norm": per_rank[0]["grad_norm"],
             "lr": per_rank[0]["lr"],
             "step_time_s": step_time,
             "tokens_per_s": tokens / step_time,
             "peak_mem_bytes_max": max(r["peak_mem_bytes"] for r in per_rank),
-            "per_rank": per_rank,
         }
+        if self.dims.pp > 1:
+            metrics.update(self._pipeline_metrics(per_rank))
+        metrics["per_rank"] = per_rank
         self.history.append(metrics)
         if self.tracker is not None:
-            logged = {k: metrics[k] for k in ("loss", "grad_norm", "lr", "step_time_s", "tokens_per_s")}
+            keys = ("loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "bubble_fraction",
+                    "bubble_fraction_theory")
+            logged = {k: metrics[k] for k in keys if metrics.get(k) is not None}
             logged["peak_mem_mb_max"] = metrics["peak_mem_bytes_max"] / 2**20
             for r in per_rank:
                 logged[f"peak_mem_mb.rank{r['rank']}"] = r["peak_mem_bytes"] / 2**20
             self.tracker.log_metrics(step, logged)
         return metrics
+
+    def _pipeline_metrics(self, per_rank: list[dict]) -> dict:
+        """Bubble per replica from the stages' clocks (averaged over replicas), next to theory.
+        The step's events are kept aside for timeline(), not in the history."""
+        from raymp.parallel.pipeline import bubble_stats, theoretical_bubble
+
+        p = self.config.parallel
+        replicas = []
+        for dp in range(p.dp):
+            ranks = [self.dims.rank_of(dp=dp, pp=pp, tp=0) for pp in range(p.pp)]
+            replicas.append([per_rank[r].pop("pipeline_events") for r in ranks])
+        for r in per_rank:
+            r.pop("pipeline_events", None)
+        stats = [bubble_stats(events) for events in replicas]
+        self.last_pipeline_events = replicas[0]
+        self._last_pipeline_step = self.global_step
+        micro = self.config.train.global_batch_size // (p.dp * p.micro_batch_size)
+        return {
+            "bubble_fraction": sum(s["bubble_fraction"] for s in stats) / len(stats),
+            "bubble_fraction_theory": theoretical_bubble(p.schedule, p.pp, micro, p.stages_per_rank),
+            "stage_busy_s": stats[0]["busy_s"],
+            "stage_idle_s": stats[0]["idle_s"],
+            "activation_peak_bytes_max": max(r["activation_peak_bytes"] for r in per_rank),
+        }
+
+    def timeline(self, directory: str | Path | None = None) -> dict[str, Path]:
+        """Draw the last step's pipeline (dp replica 0) as timeline.png and timeline.json
+        (Chrome trace) in `directory` (default: the run directory). Returns the paths."""
+        from raymp.timeline import write_timeline
+
+        if self.config.parallel.pp == 1:
+            raise RuntimeError("timeline() needs a pipeline: parallel.pp is 1")
+        if not getattr(self, "last_pipeline_events", None):
+            raise RuntimeError("no step has run yet; call step() or fit() first")
+        p = self.config.parallel
+        m = self.history[-1]
+        theory = m["bubble_fraction_theory"]
+        title = (
+            f"{self.run_name}: step {self._last_pipeline_step}, schedule {p.schedule}, pp={p.pp}, "
+            f"{self.config.train.global_batch_size // (p.dp * p.micro_batch_size)} micro-batches; "
+            f"bubble {m['bubble_fraction']:.1%}" + (f" (theory {theory:.1%})" if theory is not None else "")
+        )
+        return write_timeline(self.last_pipeline_events, directory or self.run_dir, title)
 
     def _describe_loss(self, exc) -> str:
         actor_id = getattr(exc, "actor_id", None)
@@ -176,19 +230,29 @@ class Trainer:
             raise
         finally:
             bar.close()
+            if self.config.parallel.pp > 1 and self.history:
+                self._save_timeline(bar)
             done = self.global_step >= self.config.train.steps
             if self.tracker is not None and (status != "FINISHED" or done):
                 self.tracker.finish(status)
         bar.print(self.summary())
         return self.history
 
+    def _save_timeline(self, bar) -> None:
+        paths = self.timeline()
+        if self.tracker is not None:
+            for path in paths.values():
+                self.tracker.log_artifact(path)
+        bar.print(f"pipeline timeline of the last step: {paths['png']} (Chrome trace: {paths['trace']})")
+
     # -- inspection -------------------------------------------------------------------------
 
     def layout(self) -> list[dict]:
-        """Which actor holds what, where: rank, mesh coordinates, node, pid, GPU ids."""
+        """Which actor holds what, where: rank, mesh coordinates, pipeline stages (stage index ->
+        layer indices), node, pid, GPU ids."""
         self.setup()
         return [
-            {"rank": r, **self.dims.coords(r), **info}
+            {"rank": r, **self.dims.coords(r), "stages": self._stages_by_rank[r], **info}
             for r, info in enumerate(self.group.nodes)
         ]
 
@@ -200,18 +264,26 @@ class Trainer:
         return [{k: r[k] for k in keys} for r in self.history[-1]["per_rank"]]
 
     def state_dict(self) -> dict:
-        """Full, unsharded model weights on the driver (CPU tensors)."""
+        """Full, unsharded model weights on the driver (CPU tensors), stages merged."""
         self.setup()
-        return self.group.call("full_state_dict")[0]
+        merged = {}
+        for part in self.group.call("full_state_dict"):
+            if part is not None:
+                merged.update(part)
+        return merged
 
     def describe(self) -> str:
         p, t = self.config.parallel, self.config.train
         accum = t.global_batch_size // (p.dp * p.micro_batch_size)
+        pipeline = ""
+        if p.pp > 1:
+            pipeline = (f"; pipeline {p.schedule}, {p.num_stages} stages, layers "
+                        f"{[len(s) for s in self.stage_layers]}")
         return (
             f"raymp run {self.run_name}: {self.num_params / 1e6:.2f}M params, "
             f"dp={p.dp} pp={p.pp} tp={p.tp} zero={p.zero} on {self.dims.world_size} {self.device} "
             f"actor(s) ({self.group.backend}); global batch {t.global_batch_size} x {t.seq_len} tokens "
-            f"= {accum} micro-batch(es) of {p.micro_batch_size} per replica; precision {self.config.precision}"
+            f"= {accum} micro-batch(es) of {p.micro_batch_size} per replica; precision {self.config.precision}{pipeline}"
         )
 
     def summary(self) -> str:

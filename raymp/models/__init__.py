@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from raymp.models.llama import ModelArgs, Transformer
 from raymp.models.presets import PRESETS
 
-__all__ = ["ModelArgs", "Transformer", "PRESETS", "build_model", "model_args"]
+__all__ = ["ModelArgs", "Transformer", "PRESETS", "build_model", "count_parameters", "model_args"]
 
 
 def model_args(model_cfg, vocab_size: int) -> ModelArgs:
@@ -27,9 +29,23 @@ def model_args(model_cfg, vocab_size: int) -> ModelArgs:
     )
 
 
-def build_model(args: ModelArgs, seed: int, device: str | torch.device = "cpu") -> Transformer:
-    """Same seed -> same weights on every rank and in the single-process reference."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+def build_model(args: ModelArgs, seed: int, device: str | torch.device = "cpu",
+                prune: Callable[[Transformer], None] | None = None) -> Transformer:
+    """Same seed -> same weights on every rank and in the single-process reference.
+
+    The model is laid out on the meta device first; `prune` may then drop what this rank does not
+    own (a pipeline stage keeps its layers only), so memory is only ever spent on the kept part."""
+    with torch.device("meta"):
         model = Transformer(args)
-    return model.to(device)
+    if prune is not None:
+        prune(model)
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.init_weights(seed)
+    return model
+
+
+def count_parameters(args: ModelArgs) -> int:
+    """Parameters of the whole model (tied weights once), counted without allocating them."""
+    with torch.device("meta"):
+        return Transformer(args).num_params()

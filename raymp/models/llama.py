@@ -8,6 +8,7 @@ can delete what it does not own while parameter names stay stable for checkpoint
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -126,22 +127,35 @@ class Transformer(nn.Module):
         # Not persistent: recomputed from the config, so checkpoints hold only learned state.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.reset_parameters()
-        if args.tie_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the head when both are here (again after `to_empty`, which
+        gives every module its own tensor)."""
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
+    def init_weights(self, seed: int) -> None:
+        """Initialise every parameter from its own generator, seeded by (seed, name). A part of
+        the model (a pipeline stage built on the meta device) thus gets exactly the weights the
+        whole model would have, without ever building the whole model."""
         std = self.args.init_std
         # Residual projections shrink with depth (GPT-2 / Llama practice) so activations stay O(1).
         out_std = std / math.sqrt(2 * self.args.n_layers)
         for name, p in self.named_parameters():
+            if self.args.tie_embeddings and name == "output.weight":
+                name = "tok_embeddings.weight"  # a tied head alone on a stage: same init as its twin
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            elif name.endswith(("wo.weight", "w2.weight")):
-                nn.init.normal_(p, 0.0, out_std)
-            else:
-                nn.init.normal_(p, 0.0, std)
+                continue
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            value = torch.empty(p.shape, dtype=torch.float32)
+            value.normal_(0.0, out_std if name.endswith(("wo.weight", "w2.weight")) else std, generator=gen)
+            p.copy_(value)
+        cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [b, s] int64 -> logits [b, s, vocab] (or hidden states on a middle stage)."""

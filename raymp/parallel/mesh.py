@@ -23,6 +23,9 @@ class ParallelDims:
         dp = rank // (self.tp * self.pp)
         return {"dp": dp, "pp": pp, "tp": tp}
 
+    def rank_of(self, dp: int, pp: int, tp: int) -> int:
+        return (dp * self.pp + pp) * self.tp + tp
+
     def build_mesh(self, device_type: str):
         from torch.distributed.device_mesh import init_device_mesh
 

@@ -39,27 +39,52 @@ def _unique_bytes(tensors) -> int:
 
 
 class DataParallelEngine:
-    """Common surface. `model` is what forward is called on; `optimizer` does the update."""
+    """Common surface. `models` are what forward is called on (one per pipeline stage this rank
+    holds; one without pipelining, also reachable as `model`); `optimizer` does the update."""
 
-    model: nn.Module
+    models: list[nn.Module]
+    modules: list[nn.Module]  # the same, unwrapped (attribute access to the model's parts)
     optimizer: torch.optim.Optimizer
+
+    @property
+    def model(self) -> nn.Module:
+        if len(self.models) != 1:
+            raise AttributeError("this rank holds several pipeline stages: use .models")
+        return self.models[0]
 
     def no_sync(self, is_last_micro_batch: bool):
         return contextlib.nullcontext()
 
-    def clip_grad_norm(self, max_norm: float | None) -> float:
-        """Global gradient norm (over every shard), clipping to max_norm when set. The norm is
-        made a plain tensor before clipping: scaling sharded grads by a Partial DTensor would not
-        be the global coefficient."""
+    def clip_grad_norm(self, max_norm: float | None, pp_group=None, counted_elsewhere=()) -> float:
+        """Global gradient norm (over every shard and stage), clipping to max_norm when set.
+
+        Under pipelining each rank sums squares over its own stages and the pp group adds them
+        up; `counted_elsewhere` names parameters (a tied head's copy of the embedding) whose
+        gradient another stage already counts. The norm is made a plain tensor before clipping:
+        scaling sharded grads by a Partial DTensor would not be the global coefficient."""
         # The optimizer's parameters, not the module's: under ZeRO-2 the module holds unsharded
         # working copies without .grad, and the gradients live on the sharded parameters.
         params = [p for p in self.optimizer_params() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+        skip = {id(p) for p in counted_elsewhere}
+        counted = [p.grad for p in params if id(p) not in skip]
+        if counted:
+            norm = torch.nn.utils.get_total_norm(counted, foreach=True)
+            if isinstance(norm, DTensor):
+                norm = norm.full_tensor()
+        else:
+            norm = torch.zeros((), device=params[0].grad.device if params else "cpu")
+        if pp_group is not None:
+            import torch.distributed as dist
+
+            squared = norm.float().pow(2)
+            dist.all_reduce(squared, group=pp_group)
+            norm = squared.sqrt()
         if max_norm:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
         return float(norm)
+
+    def finish_gradients(self) -> None:
+        """Complete the data-parallel gradient reduction, if backward did not already."""
 
     def after_optimizer_step(self) -> None:
         pass
@@ -80,7 +105,7 @@ class DataParallelEngine:
     def state_bytes(self) -> dict[str, int]:
         """Model-state bytes this rank holds right now: call after optimizer.step(), before
         zero_grad(), when parameters, gradients and optimizer state all exist."""
-        params = list(self.model.parameters()) + self.optimizer_params()
+        params = [p for m in self.models for p in m.parameters()] + self.optimizer_params()
         return {
             "param_bytes": _unique_bytes(params),
             "grad_bytes": _unique_bytes(p.grad for p in self.optimizer_params()),
@@ -92,80 +117,118 @@ class DataParallelEngine:
 
 
 class DDPEngine(DataParallelEngine):
-    def __init__(self, module: nn.Module, dp_mesh, opt_cfg, zero: int, device: torch.device):
+    """zero 0/1. Without pipelining, torch's DDP (bucketed all-reduce overlapped with backward).
+    Under a pipeline schedule, DDP's reducer trips an internal assert when GPipe keeps several
+    micro-batch graphs alive (torch 2.13: 'rebuilt parameter indices size is not same'), so
+    stages are left unwrapped and finish_gradients() averages them over dp in one flat
+    all-reduce per stage after the schedule: the same traffic, without the overlap."""
+
+    def __init__(self, modules: list[nn.Module], dp_mesh, opt_cfg, zero: int, device: torch.device,
+                 wrap: bool = True):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        self.module = module
-        self.model = DDP(
-            module,
-            device_ids=[device.index] if device.type == "cuda" else None,
-            process_group=dp_mesh.get_group(),
-        )
+        self.modules = modules
+        self.dp_group = dp_mesh.get_group()
+        self.dp_size = dp_mesh.size()
+        self.wrapped = wrap
+        self.models = [
+            DDP(m, device_ids=[device.index] if device.type == "cuda" else None,
+                process_group=self.dp_group)
+            for m in modules
+        ] if wrap else list(modules)
+        params = [p for m in modules for p in m.parameters()]
         if zero == 1:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
             self.optimizer = ZeroRedundancyOptimizer(
-                param_groups(list(module.parameters()), opt_cfg.weight_decay),
+                param_groups(params, opt_cfg.weight_decay),
                 optimizer_class=torch.optim.AdamW,
                 process_group=dp_mesh.get_group(),
                 **adamw_kwargs(opt_cfg),
             )
         else:
-            self.optimizer = build_optimizer(module.parameters(), opt_cfg)
+            self.optimizer = build_optimizer(params, opt_cfg)
 
     def no_sync(self, is_last_micro_batch: bool):
         # Gradient accumulation: only the last micro-batch's backward all-reduces.
         return contextlib.nullcontext() if is_last_micro_batch else self.model.no_sync()
 
+    def finish_gradients(self) -> None:
+        if self.wrapped or self.dp_size == 1:
+            return
+        import torch.distributed as dist
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        for module in self.modules:
+            grads = [p.grad for p in module.parameters() if p.grad is not None]
+            if not grads:
+                continue
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.dp_group)
+            flat.div_(self.dp_size)
+            for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(reduced)
+
     def local_optimizer(self) -> torch.optim.Optimizer:
         return getattr(self.optimizer, "optim", self.optimizer)  # ZeRO-1: this rank's shard
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone().cpu() for k, v in self.module.state_dict().items()}
+        return {k: v.detach().clone().cpu() for m in self.modules for k, v in m.state_dict().items()}
 
 
 class FSDPEngine(DataParallelEngine):
-    def __init__(self, module: nn.Module, dp_mesh, opt_cfg, zero: int, mp_dtype, block_names):
+    def __init__(self, modules: list[nn.Module], dp_mesh, opt_cfg, zero: int, mp_dtype, block_names,
+                 reshard_after_forward: bool):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         self.zero = zero
-        reshard = zero == 3
         mp = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32) if mp_dtype else MixedPrecisionPolicy()
         offload = CPUOffloadPolicy() if opt_cfg.cpu_offload else None
-        kwargs = dict(mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+        kwargs = dict(mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         if offload is not None:
             kwargs["offload_policy"] = offload
-        for name in block_names:  # one FSDP unit per transformer block, then the root
-            fully_shard(module.get_submodule(name), **kwargs)
-        fully_shard(module, **kwargs)
-        if zero == 2:
-            # ZeRO-2 keeps full parameters through the step (one all-gather per step, not per
-            # micro-batch). The optimizer then updates the *sharded* parameters, leaving the
-            # unsharded copies stale: after_optimizer_step() drops them (DESIGN.md trap).
-            module.set_reshard_after_backward(False)
-        self.model = module
-        self.optimizer = build_optimizer(module.parameters(), opt_cfg)
+        for module in modules:
+            for name in block_names(module):  # one FSDP unit per transformer block, then the root
+                fully_shard(module.get_submodule(name), **kwargs)
+            fully_shard(module, **kwargs)
+            if zero == 2:
+                # ZeRO-2 keeps full parameters through the step (one all-gather per step, not per
+                # micro-batch). The optimizer then updates the *sharded* parameters, leaving the
+                # unsharded copies stale: after_optimizer_step() drops them (DESIGN.md trap).
+                module.set_reshard_after_backward(False)
+        self.modules = self.models = modules  # fully_shard wraps in place
+        self.optimizer = build_optimizer([p for m in modules for p in m.parameters()], opt_cfg)
 
     def after_optimizer_step(self) -> None:
         if self.zero == 2:
             from torch.distributed.fsdp import FSDPModule
 
             # reshard() acts on one FSDP unit only: every block's unit must drop its copy.
-            for m in self.model.modules():
-                if isinstance(m, FSDPModule):
-                    m.reshard()
+            for model in self.models:
+                for m in model.modules():
+                    if isinstance(m, FSDPModule):
+                        m.reshard()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        """Gathered one tensor at a time, so at most one full tensor is in flight. (DCP's
+        get_model_state_dict with cpu_offload returns the result on global rank 0 only, which is
+        not the holder of a later pipeline stage.)"""
+        full = {}
+        for model in self.models:
+            for name, value in model.state_dict().items():
+                value = value.full_tensor() if isinstance(value, DTensor) else value
+                # .cpu() of a CPU tensor is the same storage: copy (DESIGN.md trap).
+                full[name] = value.detach().cpu().clone()
+        return full
 
-        sd = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        # cpu_offload full state dicts can alias live storage: copy (DESIGN.md trap).
-        return {k: v.detach().clone() for k, v in sd.items()}
 
-
-def apply_data_parallel(module, dp_mesh, opt_cfg, zero: int, device, mp_dtype, block_names):
+def apply_data_parallel(modules: list[nn.Module], dp_mesh, opt_cfg, zero: int, device, mp_dtype,
+                        block_names, reshard_after_forward: bool | None = None,
+                        pipelined: bool = False) -> DataParallelEngine:
+    """Wrap each of this rank's modules for data parallelism at the given ZeRO stage.
+    `block_names(module)` lists the submodules that become FSDP units. `reshard_after_forward`
+    overrides ZeRO-3's default (True): zero-bubble pipelines must keep parameters gathered."""
     if zero >= 2:
-        return FSDPEngine(module, dp_mesh, opt_cfg, zero, mp_dtype, block_names)
-    return DDPEngine(module, dp_mesh, opt_cfg, zero, device)
+        reshard = zero == 3 if reshard_after_forward is None else reshard_after_forward
+        return FSDPEngine(modules, dp_mesh, opt_cfg, zero, mp_dtype, block_names, reshard)
+    return DDPEngine(modules, dp_mesh, opt_cfg, zero, device, wrap=not pipelined)

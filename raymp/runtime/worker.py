@@ -3,7 +3,6 @@ and runs one whole training step per driver call (all micro-batches, backward, o
 
 from __future__ import annotations
 
-import contextlib
 import os
 import resource
 import socket
@@ -11,6 +10,11 @@ import time
 from datetime import timedelta
 
 import numpy as np
+
+
+def _clean(name: str) -> str:
+    """Parameter name as in the plain model (activation checkpointing adds a wrapper level)."""
+    return name.replace("_checkpoint_wrapped_module.", "")
 
 
 class Worker:
@@ -26,6 +30,7 @@ class Worker:
         self.num_threads = num_threads
         self.rank = None
         self.engine = None
+        self.program = None
         self._meshes = {}
 
     # -- placement and rendezvous ---------------------------------------------------------
@@ -76,69 +81,44 @@ class Worker:
     # -- model set-up -----------------------------------------------------------------------
 
     def setup(self, cfg_dict: dict, samples: np.ndarray, vocab_size: int) -> dict:
-        """Build model + optimizer for this rank from the resolved config. Re-callable: a reused
-        actor group can train another config without restarting processes."""
-        import torch
-
+        """Build this rank's part of the model + optimizer from the resolved config. Re-callable:
+        a reused actor group can train another config without restarting processes."""
         from raymp.config import RunConfig
-        from raymp.models import build_model, model_args
+        from raymp.models import model_args
         from raymp.optim import build_scheduler
-        from raymp.parallel.checkpointing import apply_activation_checkpointing
         from raymp.parallel.mesh import ParallelDims
-        from raymp.parallel.zero import apply_data_parallel
+        from raymp.runtime.steps import LocalStep, PipelineStep
 
-        self.engine = None
+        self.program = None
         cfg = RunConfig.model_validate(cfg_dict)
         self.cfg = cfg
-        self.samples = samples
         p = cfg.parallel
         dims = ParallelDims(p.dp, p.pp, p.tp)
         self.coords = dims.coords(self.rank)
         mesh = self._mesh(dims)
-
-        model = build_model(model_args(cfg.model, vocab_size), cfg.seed, self.device)
-        block_names = [f"layers.{k}" for k in model.layers]
-        if p.activation_checkpointing:
-            apply_activation_checkpointing(model, block_names)
-        bf16 = cfg.precision == "bf16"
-        self.engine = apply_data_parallel(
-            model, mesh["dp"], cfg.optimizer, p.zero, self.device,
-            torch.bfloat16 if bf16 else None, block_names,
-        )
-        # Under ZeRO 0/1 bf16 runs through autocast (fp32 master weights); FSDP2 casts itself.
-        self._autocast = bf16 and p.zero < 2
+        args = model_args(cfg.model, vocab_size)
+        if p.pp > 1:
+            self.program = PipelineStep(cfg, args, mesh, self.coords, self.device, samples, dims)
+        else:
+            self.program = LocalStep(cfg, args, mesh, self.coords, self.device, samples)
+        self.engine = self.program.engine
         self.scheduler = build_scheduler(self.engine.optimizer, cfg.optimizer, cfg.train.steps)
         self.step_index = 0
-        return {"rank": self.rank, "coords": self.coords, "num_params": model.num_params()}
+        info = {"rank": self.rank, "coords": self.coords, "num_params": self.program.num_params}
+        if p.pp > 1:
+            info["stages"] = self.program.stage_layers
+        return info
 
     # -- the step ---------------------------------------------------------------------------
 
-    def _autocast_ctx(self):
-        import torch
-
-        if self._autocast:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
-    def train_step(self, sample_ids: np.ndarray) -> dict:
-        """One optimizer step over this replica's share of the global batch."""
-        import torch
-
-        from raymp.loss import lm_loss
-
+    def train_step(self, sample_ids: np.ndarray | None) -> dict:
+        """One optimizer step over this replica's share of the global batch (under pipelining,
+        only first-stage ranks are given sample ids)."""
         t0 = time.perf_counter()
-        micro = np.asarray(sample_ids).reshape(-1, self.cfg.parallel.micro_batch_size)
-        n = len(micro)
-        loss_sum = torch.zeros((), device=self.device)
-        for i, ids in enumerate(micro):
-            batch = torch.from_numpy(self.samples[ids].astype(np.int64)).to(self.device)
-            inputs, labels = batch[:, :-1], batch[:, 1:]
-            with self.engine.no_sync(i == n - 1):
-                with self._autocast_ctx():
-                    loss = lm_loss(self.engine.model(inputs), labels)
-                (loss / n).backward()
-            loss_sum += loss.detach()
-        grad_norm = self.engine.clip_grad_norm(self.cfg.optimizer.grad_clip)
+        out = self.program.forward_backward(sample_ids)
+        grad_norm = self.engine.clip_grad_norm(
+            self.cfg.optimizer.grad_clip, self.program.pp_group, self.program.counted_elsewhere
+        )
         self.engine.optimizer.step()
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
@@ -148,13 +128,33 @@ class Worker:
         self.step_index += 1
         return {
             "rank": self.rank,
-            "loss": float(loss_sum) / n,
+            **out,
             "grad_norm": grad_norm,
             "lr": lr,
             "compute_s": time.perf_counter() - t0,
             "peak_mem_bytes": self._peak_memory(),
             **state,
         }
+
+    def gradients(self, sample_ids: np.ndarray | None) -> dict | None:
+        """Forward and backward only, no update: the full gradient of every parameter this rank's
+        stages hold, by name (every rank must call; dp/tp rank 0 of each stage returns). For
+        tests that pin down a missing or wrong gradient, not just a diverging loss."""
+        from torch.distributed.tensor import DTensor
+
+        self.program.forward_backward(sample_ids)
+        grads = {}
+        for module in self.engine.modules:
+            for name, param in module.named_parameters():
+                grad = param.grad
+                if grad is None:
+                    grads[_clean(name)] = None
+                    continue
+                full = grad.full_tensor() if isinstance(grad, DTensor) else grad
+                grads[_clean(name)] = full.detach().clone().cpu()
+        self.engine.optimizer.zero_grad(set_to_none=True)
+        self.engine.after_optimizer_step()
+        return grads if self.coords["dp"] == 0 and self.coords["tp"] == 0 else None
 
     def _peak_memory(self) -> int:
         import torch
@@ -166,13 +166,14 @@ class Worker:
     # -- inspection -------------------------------------------------------------------------
 
     def full_state_dict(self) -> dict | None:
-        """Full (unsharded) model weights on CPU; every rank must call it, rank 0 returns them."""
+        """Full (unsharded) weights of this rank's stages on CPU. Every rank must call it (the
+        ZeRO gather is collective); dp/tp rank 0 of each pipeline stage returns its part."""
         sd = self.engine.full_state_dict()
-        return sd if self.rank == 0 else None
+        return {_clean(k): v for k, v in sd.items()} if self.coords["dp"] == 0 and self.coords["tp"] == 0 else None
 
     def shutdown(self) -> None:
         import torch.distributed as dist
 
-        self.engine = None
+        self.engine = self.program = None
         if dist.is_initialized():
             dist.destroy_process_group()

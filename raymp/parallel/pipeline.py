@@ -1,0 +1,233 @@
+"""Pipeline parallelism: cut the model into stages, place them on the pp ranks, and run one of
+torch.distributed.pipelining's schedules over them.
+
+torch owns the schedules (GPipe, 1F1B, interleaved 1F1B, ZBV zero-bubble, DualPipeV), the
+stage-to-stage activation/gradient transfer and the split backward. raymp adds what it lacks:
+balancing layers by cost, stages built without ever materialising the whole model, tied
+embeddings across the first and last stage, and a per-action clock for bubble measurement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved": ScheduleInterleaved1F1B,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
+# Schedules that split backward into input-grad (I) and weight-grad (W) passes. FSDP2 must keep
+# parameters gathered between forward and W under these, or gradients come out wrong (DESIGN.md).
+ZERO_BUBBLE = frozenset({"zbv", "dualpipev"})
+# Rank r holds stages r and 2p-1-r (a "V"), so the first and last stage share rank 0.
+V_SHAPED = frozenset({"zbv", "dualpipev"})
+
+
+# -- where stages go ---------------------------------------------------------------------------
+
+
+def stage_to_pp_rank(stage: int, pp: int, schedule: str) -> int:
+    if schedule in V_SHAPED:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp  # looped: rank r holds r, r+p, r+2p, ...
+
+
+def local_stages(pp_rank: int, pp: int, num_stages: int, schedule: str) -> list[int]:
+    return [s for s in range(num_stages) if stage_to_pp_rank(s, pp, schedule) == pp_rank]
+
+
+def stage_costs(args) -> tuple[list[int], int, int]:
+    """(parameters per block, embedding parameters, norm + head parameters). A tied head still
+    costs the last stage its weight: it holds a copy and does the vocab-sized matmul."""
+    block = (
+        2 * args.dim  # two norms
+        + args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads)
+        + 3 * args.dim * args.ffn_dim
+    )
+    embed = args.vocab_size * args.dim
+    return [block] * args.n_layers, embed, embed + args.dim
+
+
+def balance_stages(args, num_stages: int) -> list[list[int]]:
+    """Consecutive layer runs, one per stage, minimising the most expensive stage; the first
+    stage also carries the embedding and the last the norm and head. Exact (dynamic programming
+    over split points), which is cheap at ~100 layers."""
+    costs, first_extra, last_extra = stage_costs(args)
+    n, k = len(costs), num_stages
+    if k > n:
+        raise ValueError(f"{k} stages need at least {k} layers; the model has {n}")
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(stage: int, lo: int, hi: int) -> int:
+        extra = (first_extra if stage == 0 else 0) + (last_extra if stage == k - 1 else 0)
+        return prefix[hi] - prefix[lo] + extra
+
+    inf = float("inf")
+    # best[s][i]: lowest max-cost placing layers [0, i) on stages [0, s); cut[s][i]: where stage s-1 starts.
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    cut = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0
+    for s in range(1, k + 1):
+        for i in range(s, n - (k - s) + 1):
+            for j in range(s - 1, i):
+                value = max(best[s - 1][j], cost(s - 1, j, i))
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    bounds, i = [], n
+    for s in range(k, 0, -1):
+        j = cut[s][i]
+        bounds.append(list(range(j, i)))
+        i = j
+    return bounds[::-1]
+
+
+def keep_only(layers: list[int], first: bool, last: bool) -> Callable[[nn.Module], None]:
+    """A prune function for build_model: drop everything this stage does not own."""
+
+    def prune(model: nn.Module) -> None:
+        for key in [k for k in model.layers if int(k) not in layers]:
+            del model.layers[key]
+        if not first:
+            model.tok_embeddings = None
+        if not last:
+            model.norm = None
+            model.output = None
+
+    return prune
+
+
+def theoretical_bubble(schedule: str, pp: int, micro_batches: int, stages_per_rank: int) -> float | None:
+    """Idle fraction of an ideal pipeline (equal stage costs, free communication). The
+    zero-bubble schedules have no closed form that holds for every m; None there."""
+    if schedule in ("gpipe", "1f1b"):
+        return (pp - 1) / (micro_batches + pp - 1)
+    if schedule == "interleaved":
+        return (pp - 1) / (stages_per_rank * micro_batches + pp - 1)
+    return None
+
+
+# -- measurement -------------------------------------------------------------------------------
+
+
+class StepClock:
+    """Start/end of every forward (F), backward (B), input-grad (I) and weight-grad (W) action
+    of one step, in seconds since the pp group's barrier at step start."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.events: list[tuple[int, str, int, float, float]] = []
+
+    def restart(self) -> None:
+        self.t0 = time.perf_counter()
+        self.events = []
+
+    @contextlib.contextmanager
+    def span(self, stage: int, kind: str, micro_batch: int):
+        start = time.perf_counter() - self.t0
+        try:
+            yield
+        finally:
+            self.events.append((stage, kind, micro_batch, start, time.perf_counter() - self.t0))
+
+
+class ActivationMeter:
+    """Bytes of tensors autograd keeps for backward (activations), live and peak.
+
+    Counted through saved-tensor hooks, by storage, so a tensor saved twice counts once and
+    memory returns to the meter when autograd frees the graph. Parameters are not activations
+    and are skipped. Works on any device (torch's CPU allocator keeps no statistics)."""
+
+    def __init__(self):
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[int, list[int]] = {}
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def hooks(self):
+        meter = self
+
+        class _Saved:
+            __slots__ = ("tensor", "key")
+
+            def __init__(self, tensor, key):
+                self.tensor, self.key = tensor, key
+
+            def __del__(self):
+                if self.key is not None:
+                    meter._release(self.key)
+
+        def pack(t: torch.Tensor):
+            if isinstance(t, nn.Parameter) or t.device.type == "meta":
+                return _Saved(t, None)
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            entry = meter._refs.setdefault(key, [0, storage.nbytes()])
+            if entry[0] == 0:
+                meter.live += entry[1]
+                meter.peak = max(meter.peak, meter.live)
+            entry[0] += 1
+            return _Saved(t, key)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda saved: saved.tensor)
+
+    def _release(self, key: int) -> None:
+        entry = self._refs[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self._refs[key]
+
+
+class TimedStage(PipelineStage):
+    """A PipelineStage that clocks each action, meters saved activations and, when asked, runs
+    forward under autocast (bf16 with ZeRO 0/1; FSDP2 casts by itself)."""
+
+    def __init__(self, *args, clock: StepClock, meter: ActivationMeter, autocast_dtype=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.clock, self.meter, self.autocast_dtype = clock, meter, autocast_dtype
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
+        with self.clock.span(self.stage_index, "F", fwd_chunk_id), self.meter.hooks(), self._autocast():
+            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        with self.clock.span(self.stage_index, "B" if full_backward else "I", bwd_chunk_id):
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+        with self.clock.span(self.stage_index, "W", bwd_chunk_id):
+            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+
+
+def bubble_stats(events_by_pp_rank: list[list[tuple]]) -> dict:
+    """Busy and idle seconds per pp rank of one replica and the bubble fraction: idle time over
+    pp x makespan, the makespan ending with the last action of any rank."""
+    makespan = max((e[4] for events in events_by_pp_rank for e in events), default=0.0)
+    busy = [sum(e[4] - e[3] for e in events) for events in events_by_pp_rank]
+    idle = [makespan - b for b in busy]
+    fraction = sum(idle) / (len(busy) * makespan) if makespan > 0 else 0.0
+    return {"makespan_s": makespan, "busy_s": busy, "idle_s": idle, "bubble_fraction": fraction}

@@ -1,0 +1,209 @@
+"""What one rank does in the forward/backward half of a step; the worker does the rest (clip,
+optimizer, schedule). Two programs: the whole model on this rank (dp/ZeRO only), or this rank's
+pipeline stages driven by a torch.distributed.pipelining schedule."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from raymp.loss import lm_loss
+from raymp.models import build_model
+from raymp.parallel.checkpointing import apply_activation_checkpointing
+from raymp.parallel.zero import apply_data_parallel
+
+
+def _block_names(module) -> list[str]:
+    return [f"layers.{k}" for k in module.layers]
+
+
+def _prepare(module, cfg) -> None:
+    if cfg.parallel.activation_checkpointing:
+        apply_activation_checkpointing(module, _block_names(module))
+
+
+class LocalStep:
+    """pp = 1: every micro-batch runs through the whole model here; gradients accumulate and
+    the data-parallel engine reduces them on the last micro-batch."""
+
+    pp_group = None
+    counted_elsewhere: tuple = ()
+
+    def __init__(self, cfg, args, mesh, coords, device, samples):
+        self.cfg, self.device, self.samples = cfg, device, samples
+        model = build_model(args, cfg.seed, device)
+        _prepare(model, cfg)
+        bf16 = cfg.precision == "bf16"
+        self.engine = apply_data_parallel(
+            [model], mesh["dp"], cfg.optimizer, cfg.parallel.zero, device,
+            torch.bfloat16 if bf16 else None, _block_names,
+        )
+        # Under ZeRO 0/1 bf16 runs through autocast (fp32 master weights); FSDP2 casts itself.
+        self._autocast = bf16 and cfg.parallel.zero < 2
+        self.num_params = model.num_params()
+
+    def _autocast_ctx(self):
+        if self._autocast:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def forward_backward(self, sample_ids) -> dict:
+        micro = np.asarray(sample_ids).reshape(-1, self.cfg.parallel.micro_batch_size)
+        n = len(micro)
+        loss_sum = torch.zeros((), device=self.device)
+        for i, ids in enumerate(micro):
+            batch = torch.from_numpy(self.samples[ids].astype(np.int64)).to(self.device)
+            with self.engine.no_sync(i == n - 1):
+                with self._autocast_ctx():
+                    loss = lm_loss(self.engine.model(batch[:, :-1]), batch[:, 1:])
+                (loss / n).backward()
+            loss_sum += loss.detach()
+        return {"loss": float(loss_sum) / n}
+
+
+_TIED_GROUPS: dict = {}
+
+
+def _tied_group(dims, coords):
+    """The process group joining pp rank 0 (embedding) and pp rank p-1 (tied head) of this
+    rank's (dp, tp) position; None on the ranks in between. Every rank must call new_group for
+    every group in one order, so all are made on first use and cached per layout."""
+    key = (dims.dp, dims.pp, dims.tp)
+    if key not in _TIED_GROUPS:
+        _TIED_GROUPS[key] = {
+            (dp, tp): dist.new_group([dims.rank_of(dp=dp, pp=0, tp=tp), dims.rank_of(dp=dp, pp=dims.pp - 1, tp=tp)])
+            for dp in range(dims.dp)
+            for tp in range(dims.tp)
+        }
+    if coords["pp"] not in (0, dims.pp - 1):
+        return None
+    return _TIED_GROUPS[key][(coords["dp"], coords["tp"])]
+
+
+class PipelineStep:
+    """pp > 1: this rank's stages (one, or two/v for V-shaped/interleaved schedules), each a
+    pruned copy of the model wrapped for dp/ZeRO, run by the configured schedule. Only the
+    first stage reads data; it sends the labels straight to the last stage."""
+
+    LABEL_TAG = 7  # keeps the label message apart from the schedule's activation traffic
+
+    def __init__(self, cfg, args, mesh, coords, device, samples, dims):
+        from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+        from raymp.parallel.pipeline import (
+            SCHEDULES, ZERO_BUBBLE, ActivationMeter, StepClock, TimedStage,
+            balance_stages, keep_only, local_stages, stage_to_pp_rank,
+        )
+
+        p = cfg.parallel
+        self.cfg, self.device, self.samples, self.dims = cfg, device, samples, dims
+        self.pp_rank = coords["pp"]
+        self.pp_group = mesh["pp"].get_group()
+        num_stages = p.num_stages
+        layers = p.stage_layers or balance_stages(args, num_stages)
+        self.stage_ids = local_stages(self.pp_rank, p.pp, num_stages, p.schedule)
+        self.stage_layers = {s: layers[s] for s in self.stage_ids}
+        modules = []
+        for s in self.stage_ids:
+            module = build_model(args, cfg.seed, device, prune=keep_only(layers[s], s == 0, s == num_stages - 1))
+            _prepare(module, cfg)
+            modules.append(module)
+        self.num_params = sum(m.num_params() for m in modules)
+        bf16 = cfg.precision == "bf16"
+        self.engine = apply_data_parallel(
+            modules, mesh["dp"], cfg.optimizer, p.zero, device, torch.bfloat16 if bf16 else None,
+            _block_names,
+            # Zero-bubble + FSDP2 resharding after forward yields wrong weight gradients (DESIGN.md).
+            reshard_after_forward=False if p.schedule in ZERO_BUBBLE else None,
+            pipelined=True,
+        )
+        self.clock, self.meter = StepClock(), ActivationMeter()
+        autocast = torch.bfloat16 if bf16 and p.zero < 2 else None
+        stages = [
+            TimedStage(model, s, num_stages, device, group=self.pp_group, clock=self.clock,
+                       meter=self.meter, autocast_dtype=autocast)
+            for s, model in zip(self.stage_ids, self.engine.models)
+        ]
+        self.micro_batches = cfg.train.global_batch_size // (p.dp * p.micro_batch_size)
+        schedule_cls = SCHEDULES[p.schedule]
+        single = not issubclass(schedule_cls, PipelineScheduleMulti)
+        self.schedule = schedule_cls(stages[0] if single else stages, n_microbatches=self.micro_batches,
+                                     loss_fn=self._loss)
+        self.is_first = 0 in self.stage_ids
+        self.is_last = num_stages - 1 in self.stage_ids
+        self.last_pp_rank = stage_to_pp_rank(num_stages - 1, p.pp, p.schedule)
+        self._tied = self._tied_parameters(args, num_stages)
+        # V-shaped schedules keep embedding and head on one rank: their grads are summed locally.
+        cross_rank_tie = args.tie_embeddings and self.last_pp_rank != 0
+        self._tied_group = _tied_group(dims, coords) if cross_rank_tie else None
+        # The head's copy of a tied embedding is counted in the norm by the first stage only.
+        self.counted_elsewhere = tuple(p_ for name, p_ in self._tied if name == "output.weight")
+        self._loss_calls = 0
+
+    def _tied_parameters(self, args, num_stages) -> list[tuple[str, torch.nn.Parameter]]:
+        if not args.tie_embeddings:
+            return []
+        tied = []
+        for s, model in zip(self.stage_ids, self.engine.modules):
+            if s == 0:
+                tied.append(("tok_embeddings.weight", model.tok_embeddings.weight))
+            if s == num_stages - 1:
+                tied.append(("output.weight", model.output.weight))
+        return tied
+
+    def _loss(self, logits, labels):
+        stage = self.cfg.parallel.num_stages - 1
+        with self.clock.span(stage, "F", self._loss_calls):
+            self._loss_calls += 1
+            return lm_loss(logits, labels)
+
+    def _batch(self, sample_ids):
+        batch = torch.from_numpy(self.samples[np.asarray(sample_ids)].astype(np.int64)).to(self.device)
+        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+    def forward_backward(self, sample_ids) -> dict:
+        p, t = self.cfg.parallel, self.cfg.train
+        inputs = labels = send = None
+        if self.is_first:
+            inputs, labels = self._batch(sample_ids)
+            if not self.is_last:
+                send = dist.isend(labels, group=self.pp_group, group_dst=self.last_pp_rank, tag=self.LABEL_TAG)
+        elif self.is_last:
+            labels = torch.empty(t.global_batch_size // p.dp, t.seq_len, dtype=torch.int64, device=self.device)
+            dist.recv(labels, group=self.pp_group, group_src=0, tag=self.LABEL_TAG)
+        # A common start line, so the ranks' clocks describe one timeline.
+        dist.barrier(group=self.pp_group)
+        self.clock.restart()
+        self.meter.reset_peak()
+        self._loss_calls = 0
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.is_first else ()
+        self.schedule.step(*args, target=labels if self.is_last else None,
+                           losses=losses if self.is_last else None)
+        if send is not None:
+            send.wait()
+        self.engine.finish_gradients()
+        self._sync_tied_grads()
+        return {
+            "loss": float(torch.stack(losses).detach().mean()) if self.is_last else None,
+            "pipeline_events": list(self.clock.events),
+            "activation_peak_bytes": self.meter.peak,
+        }
+
+    def _sync_tied_grads(self) -> None:
+        """Tied embedding and head live on two stages; each got part of the gradient. Sum the
+        parts so both copies take the same optimizer step and stay equal."""
+        grads = [param.grad for _, param in self._tied if param.grad is not None]
+        if not grads:
+            return
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        total = local[0].clone()
+        for g in local[1:]:
+            total += g
+        if self._tied_group is not None:
+            dist.all_reduce(total, group=self._tied_group)
+        for g in local:
+            g.copy_(total)
