@@ -23,6 +23,15 @@ def _parser() -> argparse.ArgumentParser:
                        help="override a config field, e.g. --set parallel.dp=2 (repeatable)")
     train.add_argument("--no-progress", action="store_true", help="no progress output")
 
+    timeline = sub.add_parser(
+        "timeline", help="run a few pipeline steps and draw the last one (PNG + Chrome trace)"
+    )
+    timeline.add_argument("config")
+    timeline.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    timeline.add_argument("--steps", type=int, default=3,
+                          help="steps to run; the first includes one-off warm-up (default 3)")
+    timeline.add_argument("--out", default=None, help="directory for timeline.png/.json (default: run dir)")
+
     show = sub.add_parser("config", help="validate a config and print it fully resolved")
     show.add_argument("config")
     show.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -43,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from raymp.trainer import Trainer
 
+        if args.command == "timeline":
+            return _timeline(cfg, args)
         with Trainer(cfg, progress=not args.no_progress) as trainer:
             trainer.fit()
         return 0
@@ -52,6 +63,27 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("raymp: interrupted", file=sys.stderr)
         return 130
+
+
+def _timeline(cfg, args) -> int:
+    from raymp.config import ConfigError, config_from_dict, resolved_dict
+    from raymp.trainer import Trainer
+
+    if cfg.parallel.pp == 1:
+        raise ConfigError("raymp timeline draws a pipeline: set parallel.pp > 1 (e.g. --set parallel.pp=2)")
+    # A short look, not a run to keep: no MLflow run, and no more steps than asked for.
+    cfg = config_from_dict(resolved_dict(cfg), [f"train.steps={max(args.steps, cfg.train.steps)}",
+                                               "tracking.enabled=false"])
+    with Trainer(cfg, progress=False) as trainer:
+        for _ in range(args.steps):
+            metrics = trainer.step()
+        paths = trainer.timeline(args.out)
+    theory = metrics["bubble_fraction_theory"]
+    print(f"step {metrics['step']}: bubble {metrics['bubble_fraction']:.1%}"
+          + (f" (theory {theory:.1%})" if theory is not None else "")
+          + f", stage busy {', '.join(f'{b * 1e3:.0f}' for b in metrics['stage_busy_s'])} ms")
+    print(f"timeline: {paths['png']}\nChrome trace: {paths['trace']} (open in ui.perfetto.dev)")
+    return 0
 
 
 if __name__ == "__main__":

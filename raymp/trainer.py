@@ -109,6 +109,7 @@ class Trainer:
             "raymp.layout": f"dp{p.dp}-pp{p.pp}-tp{p.tp}-zero{p.zero}",
             "raymp.dp": str(p.dp), "raymp.pp": str(p.pp), "raymp.tp": str(p.tp),
             "raymp.zero": str(p.zero), "raymp.world_size": str(self.dims.world_size),
+            "raymp.schedule": p.schedule if p.pp > 1 else "none",
             "raymp.device": self.device, "raymp.backend": self.group.backend,
             "raymp.num_params": str(self.num_params),
             "raymp.version": raymp.__version__, "torch.version": torch.__version__,
@@ -273,6 +274,7 @@ class Trainer:
         return merged
 
     def describe(self) -> str:
+        self.setup()
         p, t = self.config.parallel, self.config.train
         accum = t.global_batch_size // (p.dp * p.micro_batch_size)
         pipeline = ""

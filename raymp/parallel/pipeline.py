@@ -176,7 +176,8 @@ class ActivationMeter:
                     meter._release(self.key)
 
         def pack(t: torch.Tensor):
-            if isinstance(t, nn.Parameter) or t.device.type == "meta":
+            base = t._base if t._base is not None else t  # linear saves weight.t(), a view
+            if isinstance(base, nn.Parameter) or t.device.type == "meta":
                 return _Saved(t, None)
             storage = t.untyped_storage()
             key = storage.data_ptr()
