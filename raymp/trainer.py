@@ -82,6 +82,12 @@ class Trainer:
                 self.dims.world_size, self.device, cfg.resources.cpus_per_actor,
                 cfg.resources.placement_timeout_s, cfg.resources.collective_timeout_s,
             )
+        if p.pp > 1 and p.stage_layers is None:
+            # The driver decides the split (and records it in config.yaml and the MLflow params).
+            from raymp.parallel.pipeline import balance_stages
+
+            split = balance_stages(model_args(cfg.model, self.data.vocab_size), p.num_stages)
+            self.config = cfg = config_from_dict(resolved_dict(cfg), [f"parallel.stage_layers={split}"])
         samples_ref = ray.put(self.data.train)
         infos = self.group.call("setup", resolved_dict(cfg), samples_ref, self.data.vocab_size)
         self.num_params = count_parameters(model_args(cfg.model, self.data.vocab_size))

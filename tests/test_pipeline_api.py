@@ -40,6 +40,7 @@ def test_pipeline_metrics_timeline_and_mlflow_artifacts(group2, tiny_cfg, tmp_pa
     assert {"timeline.png", "timeline.json", "config.yaml"} <= artifacts
     run = client.get_run(run_id)
     assert run.data.tags["raymp.schedule"] == "gpipe"
+    assert run.data.params["parallel.stage_layers"] == "[[0, 1], [2, 3]]"  # the driver's split, recorded
     assert len(client.get_metric_history(run_id, "bubble_fraction")) == 5
 
 
