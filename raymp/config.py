@@ -95,6 +95,7 @@ class ParallelConfig(_Strict):
     zero: Literal[0, 1, 2, 3] = 0
     micro_batch_size: int = Field(1, ge=1, description="sequences per micro-batch per replica")
     activation_checkpointing: bool = False
+    sequence_parallel: bool = Field(False, description="with tp > 1: shard norms' activations by sequence")
     schedule: Literal["gpipe", "1f1b", "interleaved", "zbv", "dualpipev"] = Field(
         "1f1b", description="pipeline schedule when pp > 1"
     )
@@ -204,16 +205,8 @@ CPU_OFFLOAD_ON_CPU = (
 def _check_run(cfg: RunConfig) -> None:
     """Cross-section checks. Each raises with the offending field's dotted name and a fix."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
-    if m.n_heads % p.tp:
-        raise ValueError(f"parallel.tp ({p.tp}) must divide model.n_heads ({m.n_heads})")
-    if m.n_kv_heads % p.tp:
-        raise ValueError(f"parallel.tp ({p.tp}) must divide model.n_kv_heads ({m.n_kv_heads})")
+    _check_tensor_parallel(cfg)
     _check_pipeline(cfg)
-    if p.tp > 1:
-        raise ValueError(
-            "parallel.tp > 1 is not implemented yet (tensor parallelism is tracked in its own "
-            "issue); set parallel.tp=1"
-        )
     devices = cfg.resources.devices
     if devices is not None and devices != p.world_size:
         raise ValueError(
@@ -256,6 +249,38 @@ def _check_run(cfg: RunConfig) -> None:
         )
     if m.vocab_size is not None and cfg.data.tokenizer == "byte" and m.vocab_size < 256:
         raise ValueError(f"model.vocab_size ({m.vocab_size}) must be >= 256 for the byte tokenizer")
+
+
+TOKENIZER_VOCAB = {"byte": 256, "gpt2": 50257}
+
+
+def _check_tensor_parallel(cfg: RunConfig) -> None:
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    for field, value in (("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads), ("dim", m.dim),
+                         ("ffn_dim", m.ffn_dim)):
+        if value % p.tp:
+            raise ValueError(f"parallel.tp ({p.tp}) must divide model.{field} ({value})")
+    vocab = m.vocab_size or TOKENIZER_VOCAB.get(cfg.data.tokenizer)
+    if vocab and vocab % p.tp:
+        padded = -(-vocab // (64 * p.tp)) * 64 * p.tp
+        raise ValueError(
+            f"parallel.tp ({p.tp}) must divide the vocabulary ({vocab}"
+            f"{'' if m.vocab_size else ', from the ' + cfg.data.tokenizer + ' tokenizer'}); "
+            f"pad it: set model.vocab_size={padded}"
+        )
+    if p.sequence_parallel and p.tp == 1:
+        raise ValueError("parallel.sequence_parallel needs parallel.tp > 1; set one or the other")
+    if p.sequence_parallel and t.seq_len % p.tp:
+        raise ValueError(
+            f"parallel.sequence_parallel splits train.seq_len ({t.seq_len}) over parallel.tp "
+            f"({p.tp}): make it a multiple of {p.tp}"
+        )
+    if p.tp > 1 and p.zero == 1:
+        raise ValueError(
+            "parallel.zero=1 (ZeroRedundancyOptimizer) does not take tensor-parallel (DTensor) "
+            "parameters; use parallel.zero=2 (same memory for optimizer state, plus sharded "
+            "gradients) or 0"
+        )
 
 
 def _check_pipeline(cfg: RunConfig) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -179,8 +180,12 @@ class ActivationMeter:
             base = t._base if t._base is not None else t  # linear saves weight.t(), a view
             if isinstance(base, nn.Parameter) or t.device.type == "meta":
                 return _Saved(t, None)
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
+            local = t._local_tensor if isinstance(t, DTensor) else t  # TP: this rank's piece
+            try:
+                storage = local.untyped_storage()
+                key = storage.data_ptr()
+            except (RuntimeError, NotImplementedError):  # storage-less tensors: not counted
+                return _Saved(t, None)
             entry = meter._refs.setdefault(key, [0, storage.nbytes()])
             if entry[0] == 0:
                 meter.live += entry[1]

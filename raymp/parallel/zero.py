@@ -24,6 +24,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _device_of(params) -> torch.device:
+    if not params:
+        return torch.device("cpu")
+    grad = params[0].grad
+    return (grad.to_local() if isinstance(grad, DTensor) else grad).device
+
+
 def _unique_bytes(tensors) -> int:
     """Bytes of distinct storages (tied weights and aliases counted once)."""
     seen, total = set(), 0
@@ -55,36 +62,51 @@ class DataParallelEngine:
     def no_sync(self, is_last_micro_batch: bool):
         return contextlib.nullcontext()
 
-    def clip_grad_norm(self, max_norm: float | None, pp_group=None, counted_elsewhere=()) -> float:
-        """Global gradient norm (over every shard and stage), clipping to max_norm when set.
+    def clip_grad_norm(self, max_norm: float | None, copies: int, counted_elsewhere=()) -> float:
+        """Global gradient norm over every rank's gradients, clipping to max_norm when set.
 
-        Under pipelining each rank sums squares over its own stages and the pp group adds them
-        up; `counted_elsewhere` names parameters (a tied head's copy of the embedding) whose
-        gradient another stage already counts. The norm is made a plain tensor before clipping:
-        scaling sharded grads by a Partial DTensor would not be the global coefficient."""
-        # The optimizer's parameters, not the module's: under ZeRO-2 the module holds unsharded
-        # working copies without .grad, and the gradients live on the sharded parameters.
+        Ranks hold gradients in many forms: plain tensors (replicated over dp, and over tp for
+        modules TP does not split), DTensors sharded over dp (FSDP), over tp, or both, and under
+        pipelining each stage its own. One rule covers them all: a stage's parameters live on
+        `copies` = dp x tp ranks, and a local piece of a gradient is held by copies / (number of
+        shards) of them, so each rank adds its squares divided by that, and one all-reduce over
+        every rank gives the norm. `counted_elsewhere` names parameters (a tied head's copy of
+        the embedding) whose gradient another stage already counts."""
+        import torch.distributed as dist
+
         params = [p for p in self.optimizer_params() if p.grad is not None]
         skip = {id(p) for p in counted_elsewhere}
-        counted = [p.grad for p in params if id(p) not in skip]
-        if counted:
-            norm = torch.nn.utils.get_total_norm(counted, foreach=True)
-            if isinstance(norm, DTensor):
-                norm = norm.full_tensor()
-        else:
-            norm = torch.zeros((), device=params[0].grad.device if params else "cpu")
-        if pp_group is not None:
-            import torch.distributed as dist
-
-            squared = norm.float().pow(2)
-            dist.all_reduce(squared, group=pp_group)
-            norm = squared.sqrt()
+        squares = torch.zeros((), dtype=torch.float64, device=_device_of(params))
+        for p in params:
+            if id(p) in skip:
+                continue
+            grad, shards = p.grad, 1
+            if isinstance(grad, DTensor):
+                for size, placement in zip(grad.device_mesh.shape, grad.placements):
+                    # Not is_shard(): FSDP over TP uses _StridedShard, which is not a Shard.
+                    shards *= 1 if placement.is_replicate() else size
+                grad = grad.to_local()
+            squares += grad.detach().double().pow(2).sum() * (shards / copies)
+        if dist.is_initialized():
+            dist.all_reduce(squares)
+        norm = float(squares.sqrt())
         if max_norm:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-        return float(norm)
+            coef = min(1.0, max_norm / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
+            if coef < 1.0:
+                for p in params:
+                    p.grad.mul_(coef)
+        return norm
 
     def finish_gradients(self) -> None:
-        """Complete the data-parallel gradient reduction, if backward did not already."""
+        """Give every DTensor gradient its parameter's layout. Backward can leave it otherwise:
+        sequence parallelism leaves the norms' weight gradients Partial over tp (each rank saw
+        its own slice of the sequence), and the vocabulary-parallel embedding's gradient comes
+        back replicated. Clipping, the tied-embedding sum and the optimizer all read the local
+        piece, which must be this rank's piece of the true gradient."""
+        for p in self.optimizer_params():
+            grad = p.grad
+            if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(p.placements):
+                p.grad = grad.redistribute(p.device_mesh, p.placements)
 
     def after_optimizer_step(self) -> None:
         pass
@@ -117,11 +139,12 @@ class DataParallelEngine:
 
 
 class DDPEngine(DataParallelEngine):
-    """zero 0/1. Without pipelining, torch's DDP (bucketed all-reduce overlapped with backward).
-    Under a pipeline schedule, DDP's reducer trips an internal assert when GPipe keeps several
-    micro-batch graphs alive (torch 2.13: 'rebuilt parameter indices size is not same'), so
-    stages are left unwrapped and finish_gradients() averages them over dp in one flat
-    all-reduce per stage after the schedule: the same traffic, without the overlap."""
+    """zero 0/1. Without pipelining or TP, torch's DDP (bucketed all-reduce overlapped with
+    backward). Under a pipeline schedule, DDP's reducer trips an internal assert when GPipe keeps
+    several micro-batch graphs alive (torch 2.13: 'rebuilt parameter indices size is not same'),
+    and DDP does not take DTensor (TP) parameters; there, modules are left unwrapped and
+    finish_gradients() averages their local gradients over dp in one flat all-reduce per module
+    after backward: the same traffic, without the overlap."""
 
     def __init__(self, modules: list[nn.Module], dp_mesh, opt_cfg, zero: int, device: torch.device,
                  wrap: bool = True):
@@ -151,16 +174,19 @@ class DDPEngine(DataParallelEngine):
 
     def no_sync(self, is_last_micro_batch: bool):
         # Gradient accumulation: only the last micro-batch's backward all-reduces.
-        return contextlib.nullcontext() if is_last_micro_batch else self.model.no_sync()
+        if is_last_micro_batch or not self.wrapped:
+            return contextlib.nullcontext()
+        return self.model.no_sync()
 
     def finish_gradients(self) -> None:
+        super().finish_gradients()
         if self.wrapped or self.dp_size == 1:
             return
         import torch.distributed as dist
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
         for module in self.modules:
-            grads = [p.grad for p in module.parameters() if p.grad is not None]
+            grads = [_local(p.grad) for p in module.parameters() if p.grad is not None]
             if not grads:
                 continue
             flat = _flatten_dense_tensors(grads)
@@ -224,11 +250,11 @@ class FSDPEngine(DataParallelEngine):
 
 def apply_data_parallel(modules: list[nn.Module], dp_mesh, opt_cfg, zero: int, device, mp_dtype,
                         block_names, reshard_after_forward: bool | None = None,
-                        pipelined: bool = False) -> DataParallelEngine:
+                        wrap_ddp: bool = True) -> DataParallelEngine:
     """Wrap each of this rank's modules for data parallelism at the given ZeRO stage.
     `block_names(module)` lists the submodules that become FSDP units. `reshard_after_forward`
     overrides ZeRO-3's default (True): zero-bubble pipelines must keep parameters gathered."""
     if zero >= 2:
         reshard = zero == 3 if reshard_after_forward is None else reshard_after_forward
         return FSDPEngine(modules, dp_mesh, opt_cfg, zero, mp_dtype, block_names, reshard)
-    return DDPEngine(modules, dp_mesh, opt_cfg, zero, device, wrap=not pipelined)
+    return DDPEngine(modules, dp_mesh, opt_cfg, zero, device, wrap=wrap_ddp)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from raymp.loss import lm_loss
 from raymp.models import build_model
 from raymp.parallel.checkpointing import apply_activation_checkpointing
+from raymp.parallel.tensor import apply_tensor_parallel, loss_context
 from raymp.parallel.zero import apply_data_parallel
 
 
@@ -20,30 +21,41 @@ def _block_names(module) -> list[str]:
     return [f"layers.{k}" for k in module.layers]
 
 
-def _prepare(module, cfg) -> None:
-    if cfg.parallel.activation_checkpointing:
-        apply_activation_checkpointing(module, _block_names(module))
+def _parallelize(modules, cfg, mesh, device, zero_bubble: bool = False):
+    """TP, then activation checkpointing, then data parallel / ZeRO (torchtitan's order)."""
+    p = cfg.parallel
+    for module in modules:
+        if p.tp > 1:
+            apply_tensor_parallel(module, mesh["tp"], p.sequence_parallel)
+        if p.activation_checkpointing:
+            apply_activation_checkpointing(module, _block_names(module))
+    return apply_data_parallel(
+        modules, mesh["dp"], cfg.optimizer, p.zero, device,
+        torch.bfloat16 if cfg.precision == "bf16" else None, _block_names,
+        # Zero-bubble + FSDP2 resharding after forward yields wrong weight gradients (DESIGN.md).
+        reshard_after_forward=False if zero_bubble else None,
+        wrap_ddp=p.pp == 1 and p.tp == 1,
+    )
+
+
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    """A loss computed on vocabulary-sharded logits is a replicated DTensor: its local value."""
+    return loss.to_local() if hasattr(loss, "to_local") else loss
 
 
 class LocalStep:
     """pp = 1: every micro-batch runs through the whole model here; gradients accumulate and
     the data-parallel engine reduces them on the last micro-batch."""
 
-    pp_group = None
     counted_elsewhere: tuple = ()
 
     def __init__(self, cfg, args, mesh, coords, device, samples):
         self.cfg, self.device, self.samples = cfg, device, samples
         model = build_model(args, cfg.seed, device)
-        _prepare(model, cfg)
-        bf16 = cfg.precision == "bf16"
-        self.engine = apply_data_parallel(
-            [model], mesh["dp"], cfg.optimizer, cfg.parallel.zero, device,
-            torch.bfloat16 if bf16 else None, _block_names,
-        )
-        # Under ZeRO 0/1 bf16 runs through autocast (fp32 master weights); FSDP2 casts itself.
-        self._autocast = bf16 and cfg.parallel.zero < 2
         self.num_params = model.num_params()
+        self.engine = _parallelize([model], cfg, mesh, device)
+        # Under ZeRO 0/1 bf16 runs through autocast (fp32 master weights); FSDP2 casts itself.
+        self._autocast = cfg.precision == "bf16" and cfg.parallel.zero < 2
 
     def _autocast_ctx(self):
         if self._autocast:
@@ -56,11 +68,12 @@ class LocalStep:
         loss_sum = torch.zeros((), device=self.device)
         for i, ids in enumerate(micro):
             batch = torch.from_numpy(self.samples[ids].astype(np.int64)).to(self.device)
-            with self.engine.no_sync(i == n - 1):
+            with self.engine.no_sync(i == n - 1), loss_context(self.cfg.parallel.tp):
                 with self._autocast_ctx():
                     loss = lm_loss(self.engine.model(batch[:, :-1]), batch[:, 1:])
                 (loss / n).backward()
-            loss_sum += loss.detach()
+            loss_sum += _plain(loss.detach())
+        self.engine.finish_gradients()
         return {"loss": float(loss_sum) / n}
 
 
@@ -106,22 +119,14 @@ class PipelineStep:
         layers = p.stage_layers or balance_stages(args, num_stages)
         self.stage_ids = local_stages(self.pp_rank, p.pp, num_stages, p.schedule)
         self.stage_layers = {s: layers[s] for s in self.stage_ids}
-        modules = []
-        for s in self.stage_ids:
-            module = build_model(args, cfg.seed, device, prune=keep_only(layers[s], s == 0, s == num_stages - 1))
-            _prepare(module, cfg)
-            modules.append(module)
+        modules = [
+            build_model(args, cfg.seed, device, prune=keep_only(layers[s], s == 0, s == num_stages - 1))
+            for s in self.stage_ids
+        ]
         self.num_params = sum(m.num_params() for m in modules)
-        bf16 = cfg.precision == "bf16"
-        self.engine = apply_data_parallel(
-            modules, mesh["dp"], cfg.optimizer, p.zero, device, torch.bfloat16 if bf16 else None,
-            _block_names,
-            # Zero-bubble + FSDP2 resharding after forward yields wrong weight gradients (DESIGN.md).
-            reshard_after_forward=False if p.schedule in ZERO_BUBBLE else None,
-            pipelined=True,
-        )
+        self.engine = _parallelize(modules, cfg, mesh, device, zero_bubble=p.schedule in ZERO_BUBBLE)
         self.clock, self.meter = StepClock(), ActivationMeter()
-        autocast = torch.bfloat16 if bf16 and p.zero < 2 else None
+        autocast = torch.bfloat16 if cfg.precision == "bf16" and p.zero < 2 else None
         stages = [
             TimedStage(model, s, num_stages, device, group=self.pp_group, clock=self.clock,
                        meter=self.meter, autocast_dtype=autocast)
@@ -181,14 +186,16 @@ class PipelineStep:
         self._loss_calls = 0
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.is_first else ()
-        self.schedule.step(*args, target=labels if self.is_last else None,
-                           losses=losses if self.is_last else None)
+        # The last stage's loss (and its backward, inside the schedule) on vocabulary-sharded logits.
+        with loss_context(p.tp if self.is_last else 1):
+            self.schedule.step(*args, target=labels if self.is_last else None,
+                               losses=losses if self.is_last else None)
         if send is not None:
             send.wait()
         self.engine.finish_gradients()
         self._sync_tied_grads()
         return {
-            "loss": float(torch.stack(losses).detach().mean()) if self.is_last else None,
+            "loss": float(torch.stack([_plain(x.detach()) for x in losses]).mean()) if self.is_last else None,
             "pipeline_events": list(self.clock.events),
             "activation_peak_bytes": self.meter.peak,
         }

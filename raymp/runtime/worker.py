@@ -116,8 +116,9 @@ class Worker:
         only first-stage ranks are given sample ids)."""
         t0 = time.perf_counter()
         out = self.program.forward_backward(sample_ids)
+        p = self.cfg.parallel
         grad_norm = self.engine.clip_grad_norm(
-            self.cfg.optimizer.grad_clip, self.program.pp_group, self.program.counted_elsewhere
+            self.cfg.optimizer.grad_clip, p.dp * p.tp, self.program.counted_elsewhere
         )
         self.engine.optimizer.step()
         lr = self.scheduler.get_last_lr()[0]

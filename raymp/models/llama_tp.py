@@ -1,0 +1,54 @@
+"""The tensor-parallel plan of the built-in Llama model (Megatron-style), kept beside the model and
+out of its code: which linear is split by columns or rows, where sequence parallelism shards the
+norms' activations, and a vocabulary-parallel embedding and head whose logits stay sharded.
+
+Applied by raymp.parallel.tensor with torch's `parallelize_module`.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+
+def block_plan(sequence_parallel: bool) -> dict:
+    """One transformer block. Between blocks the residual stream is a plain local tensor: the
+    whole sequence (replicated) or, with sequence parallelism, this rank's slice of it."""
+    between = Shard(1) if sequence_parallel else Replicate()
+    plan = {
+        # forward(x, cos, sin): x is gathered to the full sequence; the RoPE tables are plain.
+        "attention": PrepareModuleInput(input_layouts=(between, None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
+        "attention.wq": ColwiseParallel(),  # each rank: n_heads/tp query heads
+        "attention.wk": ColwiseParallel(),  # and n_kv_heads/tp key/value heads
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=between),
+        "feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=between),
+    }
+    if sequence_parallel:
+        plan["attention_norm"] = SequenceParallel()
+        plan["ffn_norm"] = SequenceParallel()
+    return plan
+
+
+def model_plan(model, sequence_parallel: bool) -> dict:
+    """Embedding, final norm and head (those this stage holds). The head's logits stay sharded
+    over the vocabulary (a DTensor), for a cross-entropy that never gathers them."""
+    between = Shard(1) if sequence_parallel else Replicate()
+    plan = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+    if model.norm is not None and sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1),
+                                         use_local_output=False)
+    return plan
