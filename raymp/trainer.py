@@ -77,10 +77,12 @@ class Trainer:
                     f"layout needs dp*pp*tp = {self.dims.world_size}"
                 )
             self.group = self._shared_group
+            self.group.check_tp_groups_share_nodes(self.dims.tp)
         else:
             self.group = ActorGroup(
                 self.dims.world_size, self.device, cfg.resources.cpus_per_actor,
                 cfg.resources.placement_timeout_s, cfg.resources.collective_timeout_s,
+                tp_size=self.dims.tp,
             )
         if p.pp > 1 and p.stage_layers is None:
             # The driver decides the split (and records it in config.yaml and the MLflow params).

@@ -20,19 +20,35 @@ class PlacementError(RuntimeError):
 
 
 class ActorGroup:
+    """`tp_size` actors in a row form a tensor-parallel group (ranks are tp-fastest); each such
+    group gets its own STRICT_PACK placement group, so its traffic (an all-reduce per layer)
+    never leaves a node. Pipeline stages and dp replicas may span nodes."""
+
     def __init__(self, world_size: int, device: str = "cpu", cpus_per_actor: float = 1,
                  placement_timeout_s: float = 120, collective_timeout_s: float = 300,
-                 worker_cls: type = Worker):
-        self.world_size, self.device = world_size, device
+                 worker_cls: type = Worker, tp_size: int = 1):
+        if world_size % tp_size:
+            raise ValueError(f"world size {world_size} is not a multiple of the TP size {tp_size}")
+        self.world_size, self.device, self.tp_size = world_size, device, tp_size
         bundle = {"CPU": cpus_per_actor}
         if device == "cuda":
             bundle["GPU"] = 1
-        self.pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
-        ready, _ = ray.wait([self.pg.ready()], timeout=placement_timeout_s)
-        if not ready:
-            remove_placement_group(self.pg)
+        if tp_size > 1:
+            _check_a_node_fits(bundle, tp_size)
+            self.pgs = [
+                placement_group([dict(bundle) for _ in range(tp_size)], strategy="STRICT_PACK")
+                for _ in range(world_size // tp_size)
+            ]
+        else:
+            self.pgs = [placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")]
+        ready, _ = ray.wait([pg.ready() for pg in self.pgs], num_returns=len(self.pgs),
+                            timeout=placement_timeout_s)
+        if len(ready) < len(self.pgs):
+            for pg in self.pgs:
+                remove_placement_group(pg)
+            packed = f" in groups of {tp_size} per node (tensor parallel)" if tp_size > 1 else ""
             raise PlacementError(
-                f"the cluster could not place {world_size} actors of {bundle} within "
+                f"the cluster could not place {world_size} actors of {bundle}{packed} within "
                 f"{placement_timeout_s:.0f}s (resources.placement_timeout_s). Free now: "
                 f"{_fmt(ray.available_resources())}; total: {_fmt(ray.cluster_resources())}. "
                 "Lower parallel.dp/pp/tp or resources.cpus_per_actor, or add nodes."
@@ -43,7 +59,7 @@ class ActorGroup:
             remote_cls.options(
                 num_cpus=cpus_per_actor,
                 num_gpus=1 if device == "cuda" else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(*self._bundle(i)),
             ).remote(threads)
             for i in range(world_size)
         ]
@@ -58,6 +74,12 @@ class ActorGroup:
         self.startup_s = time.perf_counter() - t0
         self.nodes = ray.get([w.node_info.remote() for w in self.workers])
 
+    def _bundle(self, rank: int):
+        """(placement group, bundle index) of a rank."""
+        if self.tp_size > 1:
+            return self.pgs[rank // self.tp_size], rank % self.tp_size
+        return self.pgs[0], rank
+
     def call(self, method: str, *args, **kwargs) -> list:
         """The same call on every rank, in parallel; returns results in rank order."""
         return _gather([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
@@ -68,8 +90,20 @@ class ActorGroup:
     def shutdown(self) -> None:
         for w in self.workers:
             ray.kill(w)
-        remove_placement_group(self.pg)
+        for pg in self.pgs:
+            remove_placement_group(pg)
         self.workers = []
+
+    def check_tp_groups_share_nodes(self, tp: int) -> None:
+        """For a group made without tp packing (e.g. shared across configs): its TP groups must
+        still each sit on one node, or every layer's all-reduce would cross the network."""
+        for start in range(0, self.world_size, tp):
+            nodes = {n["node_id"] for n in self.nodes[start:start + tp]}
+            if len(nodes) > 1:
+                raise PlacementError(
+                    f"ranks {start}..{start + tp - 1} form a TP group but sit on {len(nodes)} nodes; "
+                    f"create the actor group with tp_size={tp}"
+                )
 
 
 def _gather(refs: list) -> list:
@@ -80,6 +114,20 @@ def _gather(refs: list) -> list:
         done, pending = ray.wait(pending, num_returns=1)
         ray.get(done[0])
     return ray.get(refs)
+
+
+def _check_a_node_fits(bundle: dict, tp_size: int) -> None:
+    """Fail at once, not after the placement timeout, if no node could ever hold a TP group."""
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    need = {k: v * tp_size for k, v in bundle.items()}
+    if any(all(res.get(k, 0) >= v for k, v in need.items()) for res in nodes):
+        return
+    largest = max(nodes, key=lambda r: tuple(r.get(k, 0) for k in need), default={})
+    raise PlacementError(
+        f"a tensor-parallel group of {tp_size} actors must fit on one node ({_fmt(need)}), but "
+        f"the largest node has {_fmt(largest) if largest else 'nothing'}; lower parallel.tp "
+        f"(and raise parallel.dp or parallel.pp), or use larger nodes"
+    )
 
 
 def _fmt(res: dict) -> str:
