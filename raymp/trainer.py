@@ -291,7 +291,7 @@ class Trainer:
                         f"{[len(s) for s in self.stage_layers]}")
         return (
             f"raymp run {self.run_name}: {self.num_params / 1e6:.2f}M params, "
-            f"dp={p.dp} pp={p.pp} tp={p.tp} zero={p.zero} on {self.dims.world_size} {self.device} "
+            f"dp={p.dp} pp={p.pp} tp={p.tp}{' (sequence parallel)' if p.sequence_parallel else ''} zero={p.zero} on {self.dims.world_size} {self.device} "
             f"actor(s) ({self.group.backend}); global batch {t.global_batch_size} x {t.seq_len} tokens "
             f"= {accum} micro-batch(es) of {p.micro_batch_size} per replica; precision {self.config.precision}{pipeline}"
         )

@@ -46,6 +46,13 @@ def group4(ray_local):
     g.shutdown()
 
 
+@pytest.fixture(scope="session")
+def group8(ray_local):
+    g = _group(8)
+    yield g
+    g.shutdown()
+
+
 @pytest.fixture
 def tiny_cfg(data_cache, tmp_path):
     """A small, fast run: the tiny model on KJV bytes, 5 steps, clipping active."""

@@ -75,6 +75,14 @@ BAD = {
     "stage layers without pipeline": ({"parallel": {"stage_layers": [[0, 1, 2, 3]]}},
                                       ["parallel.stage_layers needs parallel.pp > 1"]),
     "unknown schedule": ({"parallel": {"pp": 2, "schedule": "pipedream"}}, ["parallel.schedule", "1f1b"]),
+    "tp does not divide ffn": ({"model": {"n_kv_heads": 4, "ffn_dim": 170}, "parallel": {"tp": 4}},
+                               ["parallel.tp (4)", "model.ffn_dim (170)"]),
+    "tp does not divide gpt2 vocab": ({"data": {"tokenizer": "gpt2"}, "parallel": {"tp": 2}},
+                                      ["parallel.tp (2)", "50257", "gpt2 tokenizer", "model.vocab_size=50304"]),
+    "sequence parallel without tp": ({"parallel": {"sequence_parallel": True}}, ["parallel.sequence_parallel", "tp > 1"]),
+    "sequence parallel seq_len": ({"parallel": {"tp": 4, "sequence_parallel": True}, "model": {"n_kv_heads": 4},
+                                   "train": {"seq_len": 30}}, ["train.seq_len (30)", "multiple of 4"]),
+    "zero 1 with tp": ({"parallel": {"tp": 2, "zero": 1}}, ["parallel.zero=1", "parallel.zero=2"]),
     "unknown tokenizer": ({"data": {"tokenizer": "sentencepiece"}}, ["data.tokenizer"]),
 }
 

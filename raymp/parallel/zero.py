@@ -135,7 +135,17 @@ class DataParallelEngine:
         }
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+        """Full weights of this rank's modules on CPU, gathered over every sharded dimension (ZeRO,
+        TP) one tensor at a time, so at most one full tensor is in flight. (DCP's
+        get_model_state_dict with cpu_offload returns the result on global rank 0 only, which is
+        not the holder of a later pipeline stage.)"""
+        full = {}
+        for model in self.modules:
+            for name, value in model.state_dict().items():
+                value = value.full_tensor() if isinstance(value, DTensor) else value
+                # .cpu() of a CPU tensor is the same storage: copy (DESIGN.md trap).
+                full[name] = value.detach().cpu().clone()
+        return full
 
 
 class DDPEngine(DataParallelEngine):
@@ -198,9 +208,6 @@ class DDPEngine(DataParallelEngine):
     def local_optimizer(self) -> torch.optim.Optimizer:
         return getattr(self.optimizer, "optim", self.optimizer)  # ZeRO-1: this rank's shard
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone().cpu() for m in self.modules for k, v in m.state_dict().items()}
-
 
 class FSDPEngine(DataParallelEngine):
     def __init__(self, modules: list[nn.Module], dp_mesh, opt_cfg, zero: int, mp_dtype, block_names,
@@ -234,19 +241,6 @@ class FSDPEngine(DataParallelEngine):
                 for m in model.modules():
                     if isinstance(m, FSDPModule):
                         m.reshard()
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Gathered one tensor at a time, so at most one full tensor is in flight. (DCP's
-        get_model_state_dict with cpu_offload returns the result on global rank 0 only, which is
-        not the holder of a later pipeline stage.)"""
-        full = {}
-        for model in self.models:
-            for name, value in model.state_dict().items():
-                value = value.full_tensor() if isinstance(value, DTensor) else value
-                # .cpu() of a CPU tensor is the same storage: copy (DESIGN.md trap).
-                full[name] = value.detach().cpu().clone()
-        return full
-
 
 def apply_data_parallel(modules: list[nn.Module], dp_mesh, opt_cfg, zero: int, device, mp_dtype,
                         block_names, reshard_after_forward: bool | None = None,

@@ -56,6 +56,7 @@ class LocalStep:
         self.engine = _parallelize([model], cfg, mesh, device)
         # Under ZeRO 0/1 bf16 runs through autocast (fp32 master weights); FSDP2 casts itself.
         self._autocast = cfg.precision == "bf16" and cfg.parallel.zero < 2
+        self.loss_meter = LossMeter()
 
     def _autocast_ctx(self):
         if self._autocast:
@@ -70,11 +71,37 @@ class LocalStep:
             batch = torch.from_numpy(self.samples[ids].astype(np.int64)).to(self.device)
             with self.engine.no_sync(i == n - 1), loss_context(self.cfg.parallel.tp):
                 with self._autocast_ctx():
-                    loss = lm_loss(self.engine.model(batch[:, :-1]), batch[:, 1:])
+                    logits = self.engine.model(batch[:, :-1])
+                    loss = self.loss_meter.measure(lm_loss, logits, batch[:, 1:])
+                del logits
                 (loss / n).backward()
             loss_sum += _plain(loss.detach())
         self.engine.finish_gradients()
-        return {"loss": float(loss_sum) / n}
+        return {"loss": float(loss_sum) / n, **self.loss_meter.report()}
+
+
+class LossMeter:
+    """What the loss costs this rank: bytes of the logits it holds (its vocabulary shard under
+    TP) and the peak bytes autograd keeps for the loss's backward. Shows that full logits are
+    never materialised on one TP rank."""
+
+    def __init__(self):
+        from raymp.parallel.pipeline import ActivationMeter
+
+        self.meter = ActivationMeter()
+        self.logits_bytes = 0
+
+    def measure(self, loss_fn, logits, labels):
+        local = logits.to_local() if hasattr(logits, "to_local") else logits
+        self.logits_bytes = max(self.logits_bytes, local.numel() * local.element_size())
+        with self.meter.hooks():
+            return loss_fn(logits, labels)
+
+    def report(self) -> dict:
+        out = {"logits_bytes": self.logits_bytes, "loss_saved_peak_bytes": self.meter.peak}
+        self.logits_bytes = 0
+        self.meter.reset_peak()
+        return out
 
 
 _TIED_GROUPS: dict = {}
@@ -126,6 +153,7 @@ class PipelineStep:
         self.num_params = sum(m.num_params() for m in modules)
         self.engine = _parallelize(modules, cfg, mesh, device, zero_bubble=p.schedule in ZERO_BUBBLE)
         self.clock, self.meter = StepClock(), ActivationMeter()
+        self.loss_meter = LossMeter()
         autocast = torch.bfloat16 if cfg.precision == "bf16" and p.zero < 2 else None
         stages = [
             TimedStage(model, s, num_stages, device, group=self.pp_group, clock=self.clock,
@@ -163,7 +191,7 @@ class PipelineStep:
         stage = self.cfg.parallel.num_stages - 1
         with self.clock.span(stage, "F", self._loss_calls):
             self._loss_calls += 1
-            return lm_loss(logits, labels)
+            return self.loss_meter.measure(lm_loss, logits, labels)
 
     def _batch(self, sample_ids):
         batch = torch.from_numpy(self.samples[np.asarray(sample_ids)].astype(np.int64)).to(self.device)
@@ -198,6 +226,7 @@ class PipelineStep:
             "loss": float(torch.stack([_plain(x.detach()) for x in losses]).mean()) if self.is_last else None,
             "pipeline_events": list(self.clock.events),
             "activation_peak_bytes": self.meter.peak,
+            **(self.loss_meter.report() if self.is_last else {}),
         }
 
     def _sync_tied_grads(self) -> None:
