@@ -20,8 +20,8 @@ def ray_local():
     import ray
 
     if not ray.is_initialized():
-        # Logical CPUs, not cores: shared groups (2 + 4 actors) stay up while tests start their own.
-        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
+        # Logical CPUs, not cores: shared groups (2 + 4 + 8 actors) stay up while tests start their own.
+        ray.init(num_cpus=32, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 
