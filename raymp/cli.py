@@ -32,6 +32,21 @@ def _parser() -> argparse.ArgumentParser:
                           help="steps to run; the first includes one-off warm-up (default 3)")
     timeline.add_argument("--out", default=None, help="directory for timeline.png/.json (default: run dir)")
 
+    planner = sub.add_parser(
+        "plan", help="rank the layouts that fit a model on a cluster, with per-rank memory"
+    )
+    planner.add_argument("config", nargs="?", help="a run config (its model, train, precision, cluster)")
+    planner.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    planner.add_argument("--model", help="a model preset, e.g. llama-70b")
+    planner.add_argument("--nodes", type=int)
+    planner.add_argument("--gpus-per-node", type=int)
+    planner.add_argument("--gpu-memory-gb", type=float)
+    planner.add_argument("--global-batch", type=int, help="sequences per step")
+    planner.add_argument("--seq-len", type=int)
+    planner.add_argument("--top", type=int, default=5, help="how many fitting layouts to list")
+    planner.add_argument("--compare", metavar="dp=8,pp=4,tp=2,zero=2",
+                         help="also explain one given layout (fits or not, and why)")
+
     show = sub.add_parser("config", help="validate a config and print it fully resolved")
     show.add_argument("config")
     show.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -46,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _parser().parse_args(argv)
     try:
+        if args.command == "plan":
+            return _plan(args)
         cfg = load_config(args.config, args.overrides)
         if args.command == "config":
             print(yaml.safe_dump(resolved_dict(cfg), sort_keys=False), end="")
@@ -63,6 +80,55 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("raymp: interrupted", file=sys.stderr)
         return 130
+
+
+def _plan(args) -> int:
+    from raymp.config import ConfigError, apply_overrides, config_from_dict
+    from raymp.models import count_parameters, model_args
+    from raymp.planner import Layout, cluster_from_config, format_plan, plan, explain
+
+    data = {}
+    if args.config:
+        data = yaml.safe_load(open(args.config)) or {}
+    data = apply_overrides(data, args.overrides)
+    data.pop("parallel", None)  # the plan chooses it
+    if args.model:
+        data["model"] = {"preset": args.model}
+    cluster = dict(data.get("cluster") or {})
+    for key in ("nodes", "gpus_per_node", "gpu_memory_gb"):
+        if getattr(args, key) is not None:
+            cluster[key] = getattr(args, key)
+    data["cluster"] = cluster
+    train = dict(data.get("train") or {})
+    if args.global_batch:
+        train["global_batch_size"] = args.global_batch
+    if args.seq_len:
+        train["seq_len"] = args.seq_len
+    data["train"] = train
+    data.setdefault("precision", "bf16")
+    if train.get("seq_len"):  # plan for the context asked for, whatever the preset's default
+        data["model"] = {**data.get("model", {}), "max_seq_len": train["seq_len"]}
+    cfg = config_from_dict(data)
+    vocab = cfg.model.vocab_size or {"byte": 256, "gpt2": 50257}[cfg.data.tokenizer]
+    margs = model_args(cfg.model, vocab)
+    spec = cluster_from_config(cfg.cluster)
+    bf16 = cfg.precision == "bf16"
+    print(f"{cfg.model.preset or 'model'}: {count_parameters(margs) / 1e9:.2f}B parameters on "
+          f"{spec.nodes} x {spec.gpus_per_node} devices of {spec.gpu_memory_gb:g} GB; global batch "
+          f"{cfg.train.global_batch_size} x {cfg.train.seq_len} tokens; {cfg.precision}")
+    result = plan(margs, spec, cfg.train.global_batch_size, cfg.train.seq_len, bf16)
+    print(format_plan(result, args.top))
+    if args.compare:
+        try:
+            fields = dict(item.split("=") for item in args.compare.split(","))
+            layout = Layout(int(fields.get("dp", 1)), int(fields.get("pp", 1)), int(fields.get("tp", 1)),
+                            int(fields.get("zero", 0)), int(fields.get("mbs", 1)),
+                            fields.get("ac", "false") == "true", fields.get("sp", "false") == "true",
+                            fields.get("schedule", "1f1b"))
+        except ValueError:
+            raise ConfigError(f"--compare {args.compare!r}: write it as dp=8,pp=4,tp=2,zero=2") from None
+        print(explain(margs, layout, spec, cfg.train.global_batch_size, cfg.train.seq_len, bf16, result))
+    return 0
 
 
 def _timeline(cfg, args) -> int:

@@ -174,6 +174,17 @@ class ResourcesConfig(_Strict):
     collective_timeout_s: float = Field(300, gt=0, description="torch process-group timeout")
 
 
+class ClusterConfig(_Strict):
+    """The machines a plan is made for (`raymp plan`, `parallel: auto`)."""
+
+    nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(8, ge=1)
+    gpu_memory_gb: float = Field(80.0, gt=0)
+    gpu_tflops: float = Field(989.0, gt=0, description="dense bf16 peak per device")
+    intra_node_gbps: float = Field(450.0, gt=0, description="GB/s per device inside a node")
+    inter_node_gbps: float = Field(50.0, gt=0, description="GB/s per device across nodes")
+
+
 class RunConfig(_Strict):
     """The whole run. `raymp train CONFIG --set a.b=c` builds one of these."""
 
@@ -188,6 +199,7 @@ class RunConfig(_Strict):
     data: DataConfig = DataConfig()
     tracking: TrackingConfig = TrackingConfig()
     resources: ResourcesConfig = ResourcesConfig()
+    cluster: ClusterConfig | None = None
 
     @model_validator(mode="after")
     def _check_layout(self) -> "RunConfig":
@@ -407,9 +419,44 @@ def _deepcopy(d: Any) -> Any:
 def config_from_dict(data: dict, overrides: list[str] | None = None, source: str = "<dict>") -> RunConfig:
     data = apply_overrides(data or {}, overrides or [])
     try:
+        if data.get("parallel") == "auto":
+            data = _resolve_auto_layout(data)
         return RunConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_validation_error(err, source)) from None
+
+
+def _resolve_auto_layout(data: dict) -> dict:
+    """`parallel: auto`: the planner's best layout for `cluster` replaces it."""
+    from raymp.models import model_args
+    from raymp.planner import cluster_from_config, plan
+
+    if not data.get("cluster"):
+        raise ConfigError(
+            "parallel: auto needs a cluster section to plan for (cluster.nodes, "
+            "cluster.gpus_per_node, cluster.gpu_memory_gb, ...); or set parallel.dp/pp/tp yourself"
+        )
+    model = ModelConfig.model_validate(data.get("model", {}))
+    train = TrainingConfig.model_validate(data.get("train", {}))
+    cluster = ClusterConfig.model_validate(data["cluster"])
+    tokenizer = (data.get("data") or {}).get("tokenizer", "byte")
+    args = model_args(model, TOKENIZER_VOCAB.get(tokenizer, 256))
+    best = plan(args, cluster_from_config(cluster), train.global_batch_size, train.seq_len,
+                bf16=data.get("precision") == "bf16").best
+    if best is None:
+        raise ConfigError(
+            f"parallel: auto found no layout of {cluster.nodes} x {cluster.gpus_per_node} devices "
+            f"with {cluster.gpu_memory_gb:g} GB that fits; run `raymp plan` on this config to see why"
+        )
+    lay = best.layout
+    resolved = dict(data)
+    resolved["parallel"] = {
+        "dp": lay.dp, "pp": lay.pp, "tp": lay.tp, "zero": lay.zero,
+        "micro_batch_size": lay.micro_batch_size,
+        "activation_checkpointing": lay.activation_checkpointing,
+        "sequence_parallel": lay.sequence_parallel, "schedule": lay.schedule,
+    }
+    return resolved
 
 
 def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> RunConfig:

@@ -90,6 +90,7 @@ class Trainer:
 
             split = balance_stages(model_args(cfg.model, self.data.vocab_size), p.num_stages)
             self.config = cfg = config_from_dict(resolved_dict(cfg), [f"parallel.stage_layers={split}"])
+        self._estimate_memory(cfg)
         samples_ref = ray.put(self.data.train)
         infos = self.group.call("setup", resolved_dict(cfg), samples_ref, self.data.vocab_size)
         self.num_params = count_parameters(model_args(cfg.model, self.data.vocab_size))
@@ -106,6 +107,24 @@ class Trainer:
             self.tracker.log_text(yaml.safe_dump(resolved_dict(cfg), sort_keys=False), "config.yaml")
         self._ready = True
         return self
+
+    def _estimate_memory(self, cfg) -> None:
+        """The planner's per-rank estimate for this layout, logged beside what each rank measures."""
+        from raymp.planner import Layout, estimate
+
+        p = cfg.parallel
+        layout = Layout(p.dp, p.pp, p.tp, p.zero, p.micro_batch_size, p.activation_checkpointing,
+                        p.sequence_parallel, p.schedule)
+        self.memory_estimate = estimate(
+            model_args(cfg.model, self.data.vocab_size), layout, cfg.train.global_batch_size,
+            cfg.train.seq_len, cfg.precision == "bf16", p.stage_layers,
+        )
+
+    @staticmethod
+    def _measured_bytes(r: dict) -> int:
+        """Model state + saved activations of one rank: the quantity the planner estimates."""
+        return (r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"] + r.get("activation_peak_bytes", 0)
+                + r.get("loss_saved_peak_bytes", 0))
 
     def _tags(self) -> dict[str, str]:
         import torch
@@ -157,6 +176,10 @@ class Trainer:
             "step_time_s": step_time,
             "tokens_per_s": tokens / step_time,
             "peak_mem_bytes_max": max(r["peak_mem_bytes"] for r in per_rank),
+            "memory_measured_bytes_max": max(self._measured_bytes(r) for r in per_rank),
+            "memory_estimate_bytes_max": max(
+                e.model_state_bytes + e.activation_bytes for e in self.memory_estimate
+            ),
         }
         if self.dims.pp > 1:
             metrics.update(self._pipeline_metrics(per_rank))
@@ -167,6 +190,8 @@ class Trainer:
                     "bubble_fraction_theory")
             logged = {k: metrics[k] for k in keys if metrics.get(k) is not None}
             logged["peak_mem_mb_max"] = metrics["peak_mem_bytes_max"] / 2**20
+            logged["memory_measured_mb_max"] = metrics["memory_measured_bytes_max"] / 2**20
+            logged["memory_estimate_mb_max"] = metrics["memory_estimate_bytes_max"] / 2**20
             for r in per_rank:
                 logged[f"peak_mem_mb.rank{r['rank']}"] = r["peak_mem_bytes"] / 2**20
             self.tracker.log_metrics(step, logged)
@@ -269,8 +294,18 @@ class Trainer:
         """Per-rank model-state bytes (params, grads, optimizer) measured at the last step."""
         if not self.history:
             raise RuntimeError("no step has run yet; call step() or fit() first")
-        keys = ("rank", "param_bytes", "grad_bytes", "optim_bytes", "peak_mem_bytes")
-        return [{k: r[k] for k in keys} for r in self.history[-1]["per_rank"]]
+        keys = ("rank", "param_bytes", "grad_bytes", "optim_bytes", "activation_peak_bytes",
+                "loss_saved_peak_bytes", "peak_mem_bytes")
+        rows = []
+        for r in self.history[-1]["per_rank"]:
+            e = self.memory_estimate[self.dims.coords(r["rank"])["pp"]]
+            rows.append({
+                **{k: r.get(k, 0) for k in keys},
+                "measured_bytes": self._measured_bytes(r),
+                "estimated_bytes": e.model_state_bytes + e.activation_bytes,
+                "estimated_transient_bytes": e.buffer_bytes,
+            })
+        return rows
 
     def state_dict(self) -> dict:
         """Full, unsharded model weights on the driver (CPU tensors), stages merged."""
@@ -306,6 +341,11 @@ class Trainer:
             f"done: {len(h)} steps, loss {h[0]['loss']:.4f} -> {h[-1]['loss']:.4f}, "
             f"median {tps:,.0f} tokens/s, peak memory {h[-1]['peak_mem_bytes_max'] / 2**20:.0f} MiB/rank",
         ]
+        last = h[-1]
+        lines.append(
+            f"model state + activations per rank: measured {last['memory_measured_bytes_max'] / 2**20:.1f} MiB, "
+            f"planner estimate {last['memory_estimate_bytes_max'] / 2**20:.1f} MiB (max over ranks)"
+        )
         if self.tracker is not None:
             lines.append(
                 f"MLflow run {self.tracker.run_id} in {self.tracker.uri} "

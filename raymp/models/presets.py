@@ -18,4 +18,9 @@ PRESETS: dict[str, dict] = {
     "llama-70b": dict(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
                       ffn_dim=28672, max_seq_len=8192, rope_theta=500000.0, norm_eps=1e-5,
                       tie_embeddings=False, init_std=0.02),
+    # GPT-3 175B's shape (96 layers, d=12288, 96 heads) with a SwiGLU MLP of the same size
+    # (3 x d x 32768 = 8d^2 per layer) and the GPT-2 vocabulary padded to a multiple of 64.
+    "gpt3-175b": dict(vocab_size=50304, dim=12288, n_layers=96, n_heads=96, n_kv_heads=96,
+                      ffn_dim=32768, max_seq_len=2048, rope_theta=10000.0, norm_eps=1e-5,
+                      tie_embeddings=True, init_std=0.02),
 }

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from raymp.loss import lm_loss
 from raymp.models import build_model
 from raymp.parallel.checkpointing import apply_activation_checkpointing
+from raymp.parallel.pipeline import ActivationMeter
 from raymp.parallel.tensor import apply_tensor_parallel, loss_context
 from raymp.parallel.zero import apply_data_parallel
 
@@ -57,6 +58,7 @@ class LocalStep:
         # Under ZeRO 0/1 bf16 runs through autocast (fp32 master weights); FSDP2 casts itself.
         self._autocast = cfg.precision == "bf16" and cfg.parallel.zero < 2
         self.loss_meter = LossMeter()
+        self.meter = ActivationMeter()  # saved activations, loss included
 
     def _autocast_ctx(self):
         if self._autocast:
@@ -70,14 +72,15 @@ class LocalStep:
         for i, ids in enumerate(micro):
             batch = torch.from_numpy(self.samples[ids].astype(np.int64)).to(self.device)
             with self.engine.no_sync(i == n - 1), loss_context(self.cfg.parallel.tp):
-                with self._autocast_ctx():
+                with self._autocast_ctx(), self.meter.hooks():
                     logits = self.engine.model(batch[:, :-1])
                     loss = self.loss_meter.measure(lm_loss, logits, batch[:, 1:])
                 del logits
                 (loss / n).backward()
             loss_sum += _plain(loss.detach())
         self.engine.finish_gradients()
-        return {"loss": float(loss_sum) / n, **self.loss_meter.report()}
+        peak, _ = self.meter.peak, self.meter.reset_peak()
+        return {"loss": float(loss_sum) / n, "activation_peak_bytes": peak, **self.loss_meter.report()}
 
 
 class LossMeter:
@@ -86,8 +89,6 @@ class LossMeter:
     never materialised on one TP rank."""
 
     def __init__(self):
-        from raymp.parallel.pipeline import ActivationMeter
-
         self.meter = ActivationMeter()
         self.logits_bytes = 0
 

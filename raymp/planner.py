@@ -1,0 +1,388 @@
+"""Planner: how much memory a layout needs per rank, how fast it should run, and which layouts fit.
+
+Two memory models live here:
+- `zero_model_states`: the ZeRO paper's per-rank formulas (16Ψ; 4Ψ+12Ψ/N; 2Ψ+14Ψ/N; 16Ψ/N with
+  mixed-precision Adam), a reference point for readers and for the seed's 7B example.
+- `estimate`: what raymp itself allocates for a (model, layout): the stage's share of parameters
+  after pipeline and tensor sharding, ZeRO as raymp implements it (FSDP2 keeps a full working copy
+  under ZeRO-2), activations per schedule, and communication buffers. This is the number checked
+  against measured runs.
+
+The step-time model is deliberately simple (FLOPs / achievable device FLOP/s, plus the pipeline
+bubble and exposed TP/DP communication): good for ranking layouts, not for promising seconds.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+GB = 1e9
+
+
+# -- the ZeRO paper ---------------------------------------------------------------------------
+
+
+def zero_model_states(psi: float, stage: int, n: int, param_bytes: int = 2, grad_bytes: int = 2,
+                      optimizer_bytes: int = 12) -> dict[str, float]:
+    """Per-rank bytes of parameters, gradients and optimizer state for Ψ parameters over N
+    data-parallel ranks (ZeRO paper, section 5). Defaults: mixed-precision Adam (fp16 params and
+    grads, K=12 bytes of fp32 master weights + momentum + variance). For fp32 Adam pass 4, 4, 8."""
+    p, g, o = psi * param_bytes, psi * grad_bytes, psi * optimizer_bytes
+    if stage >= 1:
+        o /= n
+    if stage >= 2:
+        g /= n
+    if stage >= 3:
+        p /= n
+    return {"params": p, "grads": g, "optimizer": o, "total": p + g + o}
+
+
+# -- the cluster and the layout ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    gpus_per_node: int
+    gpu_memory_gb: float = 80.0
+    gpu_tflops: float = 989.0  # dense bf16 peak (H100 SXM)
+    intra_node_gbps: float = 450.0  # GB/s per GPU inside a node (NVLink)
+    inter_node_gbps: float = 50.0  # GB/s per GPU across nodes (400 Gb/s InfiniBand)
+    usable_fraction: float = 0.9  # leave room for the allocator, CUDA context, fragmentation
+    achievable_mfu: float = 0.5  # fraction of peak a good kernel mix reaches
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+def cluster_from_config(c) -> Cluster:
+    return Cluster(c.nodes, c.gpus_per_node, c.gpu_memory_gb, c.gpu_tflops, c.intra_node_gbps,
+                   c.inter_node_gbps)
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    pp: int
+    tp: int
+    zero: int
+    micro_batch_size: int
+    activation_checkpointing: bool = False
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+
+    def describe(self) -> str:
+        extra = (" +AC" if self.activation_checkpointing else "") + (" +SP" if self.sequence_parallel else "")
+        return (f"dp={self.dp} pp={self.pp} tp={self.tp} zero={self.zero} mbs={self.micro_batch_size} "
+                f"{self.schedule if self.pp > 1 else ''}{extra}").replace("  ", " ").strip()
+
+
+# -- model arithmetic ---------------------------------------------------------------------------
+
+
+def block_params(args) -> tuple[int, int]:
+    """(TP-sharded, replicated) parameters of one block: every linear is split over tp, the two
+    RMSNorm weights are not."""
+    linear = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads) + 3 * args.dim * args.ffn_dim
+    return linear, 2 * args.dim
+
+
+def total_params(args) -> int:
+    """The whole model's parameters (tied embedding once), by arithmetic: no module is built."""
+    sharded, replicated = block_params(args)
+    vocab = args.vocab_size * args.dim
+    return args.n_layers * (sharded + replicated) + vocab * (1 if args.tie_embeddings else 2) + args.dim
+
+
+def stage_params(args, layers: list[int], first: bool, last: bool, tp: int) -> float:
+    """Parameters one rank holds for a stage: sharded ones divided by tp."""
+    sharded, replicated = block_params(args)
+    total = len(layers) * (sharded / tp + replicated)
+    vocab = args.vocab_size * args.dim / tp
+    if first:
+        total += vocab
+    if last:
+        total += args.dim + (0 if (first and args.tie_embeddings) else vocab)
+    return total
+
+
+def activation_elements_per_token(args, tp: int, sequence_parallel: bool) -> tuple[float, float]:
+    """(elements autograd keeps per token per block, elements of a block's input). Counted from
+    what this model's block saves for backward (ActivationMeter on blocks of several shapes):
+    10·dim + 4·ffn_dim + n_heads + 2 per token, of which 6·dim + 2 belong to the two norms and the
+    residual stream (not split by TP, split by SP) and the rest to attention and the MLP (split by TP)."""
+    norms = 6 * args.dim + 2
+    inner = 4 * args.dim + 4 * args.ffn_dim + args.n_heads
+    per_block = inner / tp + (norms / tp + 2 * args.dim if sequence_parallel else norms)
+    return per_block, args.dim / (tp if sequence_parallel else 1)
+
+
+def in_flight(schedule: str, pp: int, stage: int, micro_batches: int) -> int:
+    """Micro-batches whose activations a stage holds at its peak."""
+    if pp == 1:
+        return 1  # gradient accumulation: one micro-batch's graph at a time
+    if schedule == "gpipe":
+        return micro_batches
+    return min(micro_batches, pp - stage)  # 1F1B warm-up depth (an estimate for the others)
+
+
+@functools.lru_cache(maxsize=256)
+def _balanced(args, stages: int) -> list[list[int]]:
+    from raymp.parallel.pipeline import balance_stages
+
+    return balance_stages(args, stages)
+
+
+# -- the estimate ---------------------------------------------------------------------------------
+
+
+@dataclass
+class RankEstimate:
+    stage: int
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float
+    buffer_bytes: float
+
+    @property
+    def model_state_bytes(self) -> float:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+    @property
+    def total_bytes(self) -> float:
+        return self.model_state_bytes + self.activation_bytes + self.buffer_bytes
+
+
+def _model_state(psi: float, zero: int, dp: int, bf16: bool) -> tuple[float, float, float, float]:
+    """raymp's own ZeRO per rank (fp32 master weights and AdamW state throughout):
+    (params, grads, optimizer, full working copy that FSDP2 holds through the step under ZeRO-2)."""
+    if zero == 0:
+        return 4 * psi, 4 * psi, 8 * psi, 0.0
+    if zero == 1:
+        return 4 * psi, 4 * psi, 8 * psi / dp, 0.0
+    working = (2 if bf16 else 4) * psi if zero == 2 else 0.0
+    return 4 * psi / dp, 4 * psi / dp, 8 * psi / dp, working
+
+
+def estimate(args, layout: Layout, global_batch: int, seq_len: int, bf16: bool,
+             stage_layers: list[list[int]] | None = None) -> list[RankEstimate]:
+    """Per-rank memory of every pipeline stage (one entry per pp rank; the dp/tp ranks of a
+    stage are alike). `activation_bytes` is what autograd keeps from forward for backward (what
+    raymp's ActivationMeter measures); transient memory (ZeRO-3 gathers, ZeRO-2's working copy
+    when a pipeline drops it after backward, the block being recomputed under activation
+    checkpointing) is in `buffer_bytes`."""
+    from raymp.parallel.pipeline import local_stages
+
+    pp, tp = layout.pp, layout.tp
+    stages = layout.pp * (2 if layout.schedule in ("zbv", "dualpipev") else 1)
+    layers = stage_layers or (_balanced(args, stages) if pp > 1 else [list(range(args.n_layers))])
+    micro = global_batch // (layout.dp * layout.micro_batch_size)
+    act_bytes = 2 if bf16 else 4
+    tokens = layout.micro_batch_size * seq_len
+    per_block, block_input = activation_elements_per_token(args, tp, layout.sequence_parallel)
+    sharded, replicated = block_params(args)
+    out = []
+    for rank in range(pp):
+        mine = local_stages(rank, pp, len(layers), layout.schedule) if pp > 1 else [0]
+        first, last = 0 in mine, len(layers) - 1 in mine
+        psi = sum(stage_params(args, layers[s], s == 0, s == len(layers) - 1, tp) for s in mine)
+        p, g, o, working = _model_state(psi, layout.zero, layout.dp, bf16)
+        n_blocks = sum(len(layers[s]) for s in mine)
+        per_mb = n_blocks * (block_input if layout.activation_checkpointing else per_block) * act_bytes
+        if first:
+            per_mb += 8  # token ids
+        if last:  # final norm, then log-softmax over this rank's vocabulary shard in fp32
+            per_mb += (3 * args.dim + 1) * act_bytes + args.vocab_size / tp * 4
+        activations = in_flight(layout.schedule, pp, rank, micro) * per_mb * tokens
+        buffers = 0.0
+        if layout.zero == 3:  # one block gathered, one prefetched
+            buffers += 2 * (sharded / tp + replicated) * (2 if bf16 else 4)
+        if layout.zero == 2 and pp > 1:  # the pipeline reshards after backward: transient
+            buffers += working
+        else:
+            p += working
+        if layout.activation_checkpointing:  # the one block being recomputed in backward
+            buffers += per_block * act_bytes * tokens
+        out.append(RankEstimate(rank, p, g, o, activations, buffers))
+    return out
+
+
+# -- step time -----------------------------------------------------------------------------------
+
+
+def step_seconds(args, layout: Layout, cluster: Cluster, global_batch: int, seq_len: int) -> dict:
+    """Compute (6·Ψ·tokens + attention, x4/3 with recomputation) spread over every device at the
+    achievable MFU, stretched by the pipeline bubble, plus exposed TP all-reduces (inside a
+    node) and the dp gradient reduction (across nodes when dp spans them)."""
+    from raymp.parallel.pipeline import theoretical_bubble
+
+    psi = total_params(args)
+    tokens = global_batch * seq_len
+    flops = 6 * psi * tokens + 12 * args.n_layers * args.dim * seq_len * tokens
+    if layout.activation_checkpointing:
+        flops *= 4 / 3
+    world = layout.dp * layout.pp * layout.tp
+    compute = flops / (world * cluster.gpu_tflops * 1e12 * cluster.achievable_mfu)
+    micro = global_batch // (layout.dp * layout.micro_batch_size)
+    bubble = theoretical_bubble(layout.schedule, layout.pp, micro, 1) if layout.pp > 1 else 0.0
+    compute /= 1 - (bubble or 0.0)
+    tp_time = 0.0
+    if layout.tp > 1:  # 4 all-reduces of a micro-batch's hidden states per block (2 fwd, 2 bwd)
+        volume = 4 * args.n_layers / layout.pp * layout.micro_batch_size * seq_len * args.dim * 2
+        tp_time = micro * volume * 2 * (layout.tp - 1) / layout.tp / (cluster.intra_node_gbps * GB)
+    dp_time = 0.0
+    if layout.dp > 1:
+        grads = psi / (layout.pp * layout.tp) * 4  # fp32 gradients of one rank's shard of the model
+        spans_nodes = layout.dp * layout.pp * layout.tp > cluster.gpus_per_node
+        bw = (cluster.inter_node_gbps if spans_nodes else cluster.intra_node_gbps) * GB
+        dp_time = 2 * grads * (layout.dp - 1) / layout.dp / bw * 0.5  # half hidden behind backward
+    total = compute + tp_time + dp_time
+    return {"step_s": total, "compute_s": compute, "tp_comm_s": tp_time, "dp_comm_s": dp_time,
+            "bubble": bubble or 0.0, "tokens_per_s": tokens / total}
+
+
+# -- search -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    ranks: list[RankEstimate]
+    time: dict
+    fits: bool
+    reason: str = ""
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(r.total_bytes for r in self.ranks)
+
+
+@dataclass
+class Plan:
+    candidates: list[Candidate] = field(default_factory=list)
+
+    @property
+    def feasible(self) -> list[Candidate]:
+        return sorted((c for c in self.candidates if c.fits), key=lambda c: -c.time["tokens_per_s"])
+
+    @property
+    def best(self) -> Candidate | None:
+        feasible = self.feasible
+        return feasible[0] if feasible else None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layout_problem(args, layout: Layout, global_batch: int, seq_len: int, cluster: Cluster) -> str:
+    """Why a layout cannot run at all (before memory), or ''."""
+    if layout.tp > cluster.gpus_per_node:
+        return f"tp={layout.tp} exceeds {cluster.gpus_per_node} GPUs per node"
+    for name, value in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads),
+                        ("ffn_dim", args.ffn_dim), ("vocab_size", args.vocab_size)):
+        if value % layout.tp:
+            return f"tp={layout.tp} does not divide {name}={value}"
+    if layout.pp > args.n_layers:
+        return f"pp={layout.pp} exceeds {args.n_layers} layers"
+    if global_batch % (layout.dp * layout.micro_batch_size):
+        return f"global batch {global_batch} not divisible by dp x micro-batch"
+    micro = global_batch // (layout.dp * layout.micro_batch_size)
+    if layout.pp > 1 and micro < layout.pp:
+        return f"{micro} micro-batches per replica < pp={layout.pp}"
+    if layout.tp > 1 and layout.zero == 1:
+        return "zero=1 does not take TP parameters"
+    return ""
+
+
+def plan(args, cluster: Cluster, global_batch: int, seq_len: int, bf16: bool = True,
+         micro_batch_sizes=(1, 2, 4)) -> Plan:
+    """Every layout of the cluster's devices, estimated; feasible ones ranked by throughput."""
+    result = Plan()
+    world = cluster.world
+    for tp in _divisors(cluster.gpus_per_node):
+        for pp in _divisors(world // tp):
+            dp = world // (tp * pp)
+            for zero in (1, 2, 3):
+                for mbs in micro_batch_sizes:
+                    for ac in (False, True):
+                        layout = Layout(dp, pp, tp, zero, mbs, ac, sequence_parallel=tp > 1)
+                        problem = layout_problem(args, layout, global_batch, seq_len, cluster)
+                        if problem:
+                            continue
+                        ranks = estimate(args, layout, global_batch, seq_len, bf16)
+                        peak = max(r.total_bytes for r in ranks)
+                        limit = cluster.gpu_memory_gb * GB * cluster.usable_fraction
+                        fits = peak <= limit
+                        reason = "" if fits else f"needs {peak / GB:.1f} GB per GPU > {limit / GB:.1f} GB usable"
+                        result.candidates.append(
+                            Candidate(layout, ranks, step_seconds(args, layout, cluster, global_batch, seq_len),
+                                      fits, reason)
+                        )
+    return result
+
+
+def breakdown(c: Candidate) -> str:
+    worst = max(c.ranks, key=lambda r: r.total_bytes)
+    return (f"params {worst.params_bytes / GB:.1f} + grads {worst.grads_bytes / GB:.1f} + optimizer "
+            f"{worst.optimizer_bytes / GB:.1f} + activations {worst.activation_bytes / GB:.1f} + buffers "
+            f"{worst.buffer_bytes / GB:.1f} = {worst.total_bytes / GB:.1f} GB (pp rank {worst.stage})")
+
+
+def format_plan(p: Plan, top: int = 5) -> str:
+    lines = []
+    feasible = p.feasible
+    if feasible:
+        lines.append(f"{len(feasible)} of {len(p.candidates)} layouts fit. Best first:")
+        for c in feasible[:top]:
+            t = c.time
+            lines.append(f"  {c.layout.describe():<40} ~{t['tokens_per_s']:,.0f} tokens/s, step "
+                         f"{t['step_s']:.2f}s (bubble {t['bubble']:.0%}); {breakdown(c)}")
+    else:
+        lines.append(f"none of {len(p.candidates)} layouts fit.")
+    misses = sorted((c for c in p.candidates if not c.fits), key=lambda c: c.peak_bytes)
+    if misses:
+        lines.append("Closest that do not fit:")
+        for c in misses[:3]:
+            lines.append(f"  {c.layout.describe():<40} {c.reason}; {breakdown(c)}")
+    return "\n".join(lines)
+
+
+
+def explain(args, layout: Layout, cluster: Cluster, global_batch: int, seq_len: int, bf16: bool,
+            result: Plan | None = None) -> str:
+    """One layout, judged: can it run, does it fit (and what would make it fit), and how it
+    compares with the plan's best."""
+    import dataclasses
+
+    problem = layout_problem(args, layout, global_batch, seq_len, cluster)
+    if problem:
+        return f"Compared layout {layout.describe()}: cannot run: {problem}."
+    limit = cluster.gpu_memory_gb * GB * cluster.usable_fraction
+
+    def judge(lay: Layout) -> Candidate:
+        ranks = estimate(args, lay, global_batch, seq_len, bf16)
+        peak = max(r.total_bytes for r in ranks)
+        return Candidate(lay, ranks, step_seconds(args, lay, cluster, global_batch, seq_len), peak <= limit)
+
+    c = judge(layout)
+    verdict = "fits" if c.fits else "does NOT fit"
+    lines = [f"Compared layout {layout.describe()}: {verdict} in {limit / GB:.1f} GB usable per GPU; "
+             f"{breakdown(c)}; ~{c.time['tokens_per_s']:,.0f} tokens/s."]
+    if not c.fits:
+        fixes = []
+        for change in ({"zero": 3}, {"activation_checkpointing": True},
+                       {"zero": 3, "activation_checkpointing": True}):
+            variant = judge(dataclasses.replace(layout, **change))
+            if layout_problem(args, variant.layout, global_batch, seq_len, cluster) == "":
+                fixes.append(f"{', '.join(f'{k}={v}' for k, v in change.items())}: "
+                             f"{variant.peak_bytes / GB:.1f} GB ({'fits' if variant.fits else 'still too big'})")
+        lines.append("  With changes: " + "; ".join(fixes) + ".")
+    best = (result or plan(args, cluster, global_batch, seq_len, bf16)).best
+    if best is not None:
+        lines.append(f"  The plan's best, {best.layout.describe()}, needs {best.peak_bytes / GB:.1f} GB per GPU "
+                     f"at ~{best.time['tokens_per_s']:,.0f} tokens/s.")
+    return "\n".join(lines)

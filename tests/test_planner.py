@@ -1,0 +1,122 @@
+"""The planner: ZeRO formulas, the seed's 7B example, estimates against measured runs, plans for
+70B and 175B, `parallel: auto` and `raymp plan`."""
+
+from __future__ import annotations
+
+import pytest
+
+from raymp.config import ConfigError, config_from_dict
+from raymp.models import model_args
+from raymp.planner import Cluster, Layout, estimate, explain, plan, zero_model_states
+from raymp.trainer import Trainer
+from test_cli import raymp
+
+GB = 1e9
+
+
+@pytest.mark.parametrize("n", [2, 8, 64])
+def test_zero_formulas_with_mixed_precision_adam(n):
+    psi = 1e9
+    totals = [zero_model_states(psi, stage, n)["total"] for stage in range(4)]
+    assert totals == pytest.approx([16 * psi, 4 * psi + 12 * psi / n, 2 * psi + 14 * psi / n, 16 * psi / n])
+
+
+def test_seed_7b_example_per_gpu_on_8_gpus():
+    """The seed: 7B fp32 -> weights 28 GB, gradients 28 GB, Adam 56 GB, activations 10 GB."""
+    psi, n = 7e9, 8
+    fp32 = dict(param_bytes=4, grad_bytes=4, optimizer_bytes=8)
+    s0 = zero_model_states(psi, 0, n, **fp32)
+    assert (s0["params"], s0["grads"], s0["optimizer"]) == (28 * GB, 28 * GB, 56 * GB)
+    assert zero_model_states(psi, 1, n, **fp32)["optimizer"] == 7 * GB  # "56 GB / 8 GPUs = 7 GB"
+    s2 = zero_model_states(psi, 2, n, **fp32)
+    assert s2["grads"] + s2["optimizer"] == 10.5 * GB  # "84 GB / 8 = 10.5 GB"
+    activations_per_gpu = 10 * GB / n  # data parallel splits the batch, and so its activations
+    total = zero_model_states(psi, 3, n, **fp32)["total"] + activations_per_gpu
+    assert total == pytest.approx(122 * GB / n) and round(total / GB) == 15  # "122 GB / 8 = 15 GB"
+
+
+LAYOUTS = {
+    "dp2-zero0": (2, dict(dp=2, zero=0)),
+    "dp2-zero1-ac": (2, dict(dp=2, zero=1, activation_checkpointing=True)),
+    "dp2-zero3": (2, dict(dp=2, zero=3)),
+    "pp2-1f1b": (2, dict(pp=2, schedule="1f1b", micro_batch_size=1)),
+    "pp2-gpipe": (2, dict(pp=2, schedule="gpipe", micro_batch_size=1)),
+    "tp2": (2, dict(tp=2)),
+    "tp2-sp": (2, dict(tp=2, sequence_parallel=True)),
+    "dp2-pp2-zero2": (4, dict(dp=2, pp=2, zero=2, micro_batch_size=1)),
+}
+
+
+def test_estimates_match_measured_memory_within_15_percent(group2, group4, tiny_cfg, capsys):
+    rows = []
+    for name, (world, parallel) in LAYOUTS.items():
+        cfg = tiny_cfg(parallel={"micro_batch_size": 2, "dp": 1, **parallel},
+                       train={"steps": 2, "global_batch_size": 8, "seq_len": 32})
+        with Trainer(cfg, actor_group=group2 if world == 2 else group4, progress=False) as t:
+            t.step()
+            t.step()
+            for r in t.memory():
+                rows.append((name, r["rank"], r["measured_bytes"], r["estimated_bytes"]))
+    with capsys.disabled():
+        print("\nlayout          rank  measured KiB  estimated KiB  ratio")
+        for name, rank, measured, est in rows:
+            print(f"{name:<15} {rank:>4}  {measured / 1024:>12.1f}  {est / 1024:>13.1f}  {est / measured:.3f}")
+    for name, rank, measured, est in rows:
+        assert abs(est - measured) <= 0.15 * measured, (name, rank, measured, est)
+
+
+def _args(preset, vocab=256):
+    return model_args(config_from_dict({"model": {"preset": preset}}).model, vocab)
+
+
+def test_llama_70b_on_64_gpus_of_80_gb_has_a_fitting_plan():
+    cluster = Cluster(nodes=8, gpus_per_node=8, gpu_memory_gb=80)
+    result = plan(_args("llama-70b", 128256), cluster, global_batch=512, seq_len=4096)
+    best = result.best
+    assert best is not None and best.fits and best.peak_bytes <= 0.9 * 80 * GB
+    lay = best.layout
+    assert lay.dp * lay.pp * lay.tp == 64 and lay.tp <= 8
+    # Plain data parallelism cannot hold 70B: 16 bytes x 70B / 64 at best still leaves no room.
+    assert not any(c.fits for c in result.candidates if c.layout.pp == 1 and c.layout.tp == 1 and c.layout.zero < 3)
+
+
+def test_gpt3_175b_plan_explains_the_seed_layout():
+    cluster = Cluster(nodes=8, gpus_per_node=8, gpu_memory_gb=80)
+    args = _args("gpt3-175b", 50304)
+    result = plan(args, cluster, global_batch=256, seq_len=2048)
+    assert result.best is not None and result.best.fits
+    seed = Layout(dp=8, pp=4, tp=2, zero=2, micro_batch_size=1)
+    text = explain(args, seed, cluster, 256, 2048, True, result)
+    assert "dp=8 pp=4 tp=2 zero=2" in text and "does NOT fit" in text
+    assert "zero=3, activation_checkpointing=True" in text and "(fits)" in text
+    # The seed layout's model states alone exceed an 80 GB GPU, as the ZeRO-2 formula says too.
+    per_rank = estimate(args, seed, 256, 2048, True)
+    assert max(r.model_state_bytes + r.buffer_bytes for r in per_rank) > 80 * GB
+    psi_rank = 174.6e9 / (4 * 2)
+    assert zero_model_states(psi_rank, 2, 8)["total"] > 80 * GB
+
+
+def test_parallel_auto_picks_the_best_plan_and_trains(group2, tiny_cfg):
+    cfg = tiny_cfg(parallel="auto", cluster={"nodes": 1, "gpus_per_node": 2, "gpu_memory_gb": 1})
+    resolved = config_from_dict(cfg)
+    assert resolved.parallel.world_size == 2
+    with Trainer(resolved, actor_group=group2, progress=False) as t:
+        losses = [t.step()["loss"] for _ in range(2)]
+    assert losses[1] < losses[0]
+
+
+def test_parallel_auto_without_a_fit_or_a_cluster_is_a_clear_error(tiny_cfg):
+    with pytest.raises(ConfigError, match="needs a cluster section"):
+        config_from_dict(tiny_cfg(parallel="auto"))
+    with pytest.raises(ConfigError, match="found no layout .* that fits; run `raymp plan`"):
+        config_from_dict(tiny_cfg(parallel="auto", model={"preset": "llama-70b", "max_seq_len": 64},
+                                  cluster={"nodes": 1, "gpus_per_node": 8, "gpu_memory_gb": 16}))
+
+
+def test_plan_command():
+    out = raymp("plan", "--model", "llama-70b", "--nodes", "8", "--gpus-per-node", "8",
+                "--gpu-memory-gb", "80", "--global-batch", "512", "--seq-len", "4096",
+                "--compare", "dp=64,zero=3")
+    assert out.returncode == 0, out.stderr
+    assert "70.55B parameters on 8 x 8 devices of 80 GB" in out.stdout
+    assert "layouts fit. Best first:" in out.stdout and "Compared layout dp=64 pp=1 tp=1 zero=3" in out.stdout
