@@ -77,7 +77,7 @@ def main() -> None:
         g, f = results["gpipe", m], results["1f1b", m]
         print(f"{m:>4} | {g['theory']:>7.1%} | {g['bubble']:>7.1%} | {f['bubble']:>7.1%} | "
               f"{g['step_s'] * 1e3:>8.0f}ms | {f['step_s'] * 1e3:>7.0f}ms")
-    print(f"\nPeak activation memory per stage (MiB), GPipe vs 1F1B\n")
+    print("\nPeak activation memory per stage (MiB), GPipe vs 1F1B\n")
     header = " | ".join(f"stage {s}: GPipe / 1F1B" for s in range(PP))
     print(f"{'m':>4} | {header}")
     print("-" * (7 + len(header)))

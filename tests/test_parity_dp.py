@@ -32,6 +32,17 @@ def assert_weights_match(state, ref_state, atol):
         torch.testing.assert_close(state[name].float(), ref.float(), rtol=0, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
+def check_parity(cfg, group, weight_atol=2e-5):
+    """5 fp32 steps: losses within LOSS_RTOL of the single-process run, final weights within
+    weight_atol, and the run learned something. Returns the parallel run's history."""
+    losses, history, state = run_parallel(cfg, group)
+    ref_losses, ref_state = train_single_process(config_from_dict(cfg))
+    assert_losses_match(losses, ref_losses, LOSS_RTOL)
+    assert_weights_match(state, ref_state, atol=weight_atol)
+    assert losses[-1] < losses[0]
+    return history
+
+
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_dp2_matches_single_process_fp32(zero, group2, tiny_cfg):
     cfg = tiny_cfg(parallel={"dp": 2, "zero": zero, "micro_batch_size": 2})

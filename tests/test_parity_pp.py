@@ -4,15 +4,14 @@ batch and data order). Gradients are checked directly where a schedule splits ba
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from raymp.config import config_from_dict
-from raymp.data import GlobalOrder, load_packed, replica_slice
+from raymp.data import replica_slice
 from raymp.reference import single_process_gradients, train_single_process
 from raymp.trainer import Trainer
-from test_parity_dp import LOSS_RTOL, assert_losses_match, assert_weights_match, run_parallel
+from test_parity_dp import LOSS_RTOL, assert_losses_match, check_parity, run_parallel
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zbv", "dualpipev"]
 
@@ -24,15 +23,6 @@ def pp_cfg(tiny_cfg, pp, schedule, dp=1, zero=0, n_layers=None, **parallel):
         parallel={"dp": dp, "pp": pp, "zero": zero, "micro_batch_size": 1, "schedule": schedule, **parallel},
         train={"steps": 5, "global_batch_size": 8 * dp, "seq_len": 32, "log_every": 1},
     )
-
-
-def check_parity(cfg, group):
-    losses, history, state = run_parallel(cfg, group)
-    ref_losses, ref_state = train_single_process(config_from_dict(cfg))
-    assert_losses_match(losses, ref_losses, LOSS_RTOL)
-    assert_weights_match(state, ref_state, atol=2e-5)
-    assert losses[-1] < losses[0]
-    return history
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
