@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 import yaml
@@ -72,14 +73,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "timeline":
             return _timeline(cfg, args)
         with Trainer(cfg, progress=not args.no_progress) as trainer:
+            trainer.setup()
+            # `ray job stop` sends SIGTERM: end like Ctrl-C, so the MLflow run is marked KILLED
+            # and the actors are released. Installed after Ray connects: ray.init puts its own
+            # SIGTERM handler in place, which would kill the driver mid-step.
+            signal.signal(signal.SIGTERM, _interrupt)
             trainer.fit()
         return 0
     except (ConfigError, DataError, PlacementError, WorkerLostError) as exc:
         print(f"raymp: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("raymp: interrupted", file=sys.stderr)
+        print("raymp: stopped (interrupt or SIGTERM); the MLflow run is marked KILLED", file=sys.stderr)
         return 130
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def _plan(args) -> int:
