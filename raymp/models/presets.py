@@ -9,6 +9,11 @@ PRESETS: dict[str, dict] = {
     "small": dict(vocab_size=None, dim=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=688,
                   max_seq_len=512, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=True,
                   init_std=0.02),
+    # GPT-2 small's shape (12 x 768, 12 heads) with a SwiGLU MLP of the same size (3 x 768 x 2048)
+    # and the GPT-2 vocabulary padded to a multiple of 64.
+    "gpt2-124m": dict(vocab_size=50304, dim=768, n_layers=12, n_heads=12, n_kv_heads=12,
+                      ffn_dim=2048, max_seq_len=1024, rope_theta=10000.0, norm_eps=1e-5,
+                      tie_embeddings=True, init_std=0.02),
     "llama-1b": dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
                      ffn_dim=8192, max_seq_len=8192, rope_theta=500000.0, norm_eps=1e-5,
                      tie_embeddings=True, init_std=0.02),

@@ -1,0 +1,88 @@
+"""Cluster artefacts are checked without a cloud: launcher YAMLs against the JSON schema that ships
+inside the ray package, KubeRay manifests for the fields KubeRay requires, and the GPU configs
+against the planner (each must fit its own cluster section)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import ray
+import yaml
+
+from raymp.config import load_config
+from raymp.models import model_args
+from raymp.planner import Layout, cluster_from_config, estimate
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCHER = sorted((ROOT / "cluster" / "launcher").glob("*.yaml"))
+GPU_CONFIGS = ["gpt2-124m-8gpu.yaml", "llama-8b-2x8.yaml", "llama-70b-8x8.yaml"]
+
+
+@pytest.mark.parametrize("path", LAUNCHER, ids=lambda p: p.name)
+def test_launcher_config_matches_rays_schema(path):
+    schema = json.loads((Path(ray.__file__).parent / "autoscaler" / "ray-schema.json").read_text())
+    config = yaml.safe_load(path.read_text())
+    jsonschema.validate(config, schema)
+    types = config["available_node_types"]
+    assert config["head_node_type"] in types
+    gpu = [t for t in types.values() if t["resources"].get("GPU")]
+    assert gpu and all(t["min_workers"] <= t["max_workers"] <= config["max_workers"] for t in gpu)
+    assert types[config["head_node_type"]]["resources"]["CPU"] == 0  # no training actor on the head
+
+
+def test_launcher_schema_check_can_fail():
+    schema = json.loads((Path(ray.__file__).parent / "autoscaler" / "ray-schema.json").read_text())
+    config = yaml.safe_load(LAUNCHER[0].read_text())
+    config["max_workers"] = "eight"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(config, schema)
+
+
+def _containers(template):
+    return template["spec"]["containers"]
+
+
+def _check_cluster_spec(spec):
+    assert spec["rayVersion"].startswith("2.")
+    head = spec["headGroupSpec"]
+    assert "rayStartParams" in head and _containers(head["template"])[0]["image"].startswith("rayproject/ray:")
+    for group in spec["workerGroupSpecs"]:
+        assert group["groupName"] and "rayStartParams" in group
+        assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+        limits = _containers(group["template"])[0]["resources"]["limits"]
+        assert int(limits["nvidia.com/gpu"]) >= 1
+
+
+def test_kuberay_raycluster_manifest():
+    doc = yaml.safe_load((ROOT / "cluster" / "kuberay" / "raycluster.yaml").read_text())
+    assert doc["apiVersion"] == "ray.io/v1" and doc["kind"] == "RayCluster" and doc["metadata"]["name"]
+    _check_cluster_spec(doc["spec"])
+
+
+def test_kuberay_rayjob_manifest_runs_a_shipped_config():
+    doc = yaml.safe_load((ROOT / "cluster" / "kuberay" / "rayjob.yaml").read_text())
+    assert doc["apiVersion"] == "ray.io/v1" and doc["kind"] == "RayJob" and doc["metadata"]["name"]
+    spec = doc["spec"]
+    _check_cluster_spec(spec["rayClusterSpec"])
+    assert spec["shutdownAfterJobFinishes"] is True
+    entry = spec["entrypoint"].split()
+    assert entry[:4] == ["python", "-m", "raymp.cli", "train"]
+    assert load_config(ROOT / entry[4]).resources.device == "cuda"
+    assert "working_dir" in yaml.safe_load(spec["runtimeEnvYAML"])
+
+
+@pytest.mark.parametrize("name", GPU_CONFIGS)
+def test_gpu_configs_fit_their_cluster_by_the_planner(name):
+    cfg = load_config(ROOT / "configs" / name)
+    p, cluster = cfg.parallel, cluster_from_config(cfg.cluster)
+    assert p.world_size == cluster.world, "the layout must use the whole cluster it documents"
+    assert p.tp <= cluster.gpus_per_node
+    layout = Layout(p.dp, p.pp, p.tp, p.zero, p.micro_batch_size, p.activation_checkpointing,
+                    p.sequence_parallel, p.schedule)
+    ranks = estimate(model_args(cfg.model, 50257), layout, cfg.train.global_batch_size,
+                     cfg.train.seq_len, cfg.precision == "bf16")
+    peak = max(r.total_bytes for r in ranks)
+    assert peak <= 0.9 * cluster.gpu_memory_gb * 1e9, f"{name}: {peak / 1e9:.1f} GB"
