@@ -30,16 +30,16 @@ def chrome_trace(events_by_pp_rank: list[list], title: str) -> dict:
 
 
 def render_png(events_by_pp_rank: list[list], path: str | Path, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")  # headless: no display on actors, CI or job drivers
-    import matplotlib.pyplot as plt
+    # The Figure API, not pyplot: no backend to choose, and no change to the caller's (a
+    # notebook's inline plots keep working after a timeline is drawn).
+    from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
     path = Path(path)
     rows = len(events_by_pp_rank)
     end = max((e[4] for events in events_by_pp_rank for e in events), default=1.0) * 1e3
-    fig, ax = plt.subplots(figsize=(12, 0.7 * rows + 1.6))
+    fig = Figure(figsize=(12, 0.7 * rows + 1.6))
+    ax = fig.subplots()
     for rank, events in enumerate(events_by_pp_rank):
         y = rows - 1 - rank
         ax.broken_barh([(0, end)], (y - 0.4, 0.8), facecolors="#eeeeee")  # idle unless covered
@@ -62,7 +62,6 @@ def render_png(events_by_pp_rank: list[list], path: str | Path, title: str) -> P
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 
