@@ -82,23 +82,9 @@ class Layout:
 # -- model arithmetic ---------------------------------------------------------------------------
 
 
-def block_params(args) -> tuple[int, int]:
-    """(TP-sharded, replicated) parameters of one block: every linear is split over tp, the two
-    RMSNorm weights are not."""
-    linear = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads) + 3 * args.dim * args.ffn_dim
-    return linear, 2 * args.dim
-
-
-def total_params(args) -> int:
-    """The whole model's parameters (tied embedding once), by arithmetic: no module is built."""
-    sharded, replicated = block_params(args)
-    vocab = args.vocab_size * args.dim
-    return args.n_layers * (sharded + replicated) + vocab * (1 if args.tie_embeddings else 2) + args.dim
-
-
 def stage_params(args, layers: list[int], first: bool, last: bool, tp: int) -> float:
     """Parameters one rank holds for a stage: sharded ones divided by tp."""
-    sharded, replicated = block_params(args)
+    sharded, replicated = args.block_params
     total = len(layers) * (sharded / tp + replicated)
     vocab = args.vocab_size * args.dim / tp
     if first:
@@ -183,7 +169,7 @@ def estimate(args, layout: Layout, global_batch: int, seq_len: int, bf16: bool,
     act_bytes = 2 if bf16 else 4
     tokens = layout.micro_batch_size * seq_len
     per_block, block_input = activation_elements_per_token(args, tp, layout.sequence_parallel)
-    sharded, replicated = block_params(args)
+    sharded, replicated = args.block_params
     out = []
     for rank in range(pp):
         mine = local_stages(rank, pp, len(layers), layout.schedule) if pp > 1 else [0]
@@ -219,7 +205,7 @@ def step_seconds(args, layout: Layout, cluster: Cluster, global_batch: int, seq_
     node) and the dp gradient reduction (across nodes when dp spans them)."""
     from raymp.parallel.pipeline import theoretical_bubble
 
-    psi = total_params(args)
+    psi = args.num_params
     tokens = global_batch * seq_len
     flops = 6 * psi * tokens + 12 * args.n_layers * args.dim * seq_len * tokens
     if layout.activation_checkpointing:

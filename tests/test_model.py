@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from raymp.config import config_from_dict
-from raymp.models import ModelArgs, Transformer, build_model, model_args
+from raymp.models import PRESETS, ModelArgs, Transformer, build_model, model_args
 
 ARGS = ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176, max_seq_len=64)
 
@@ -50,3 +50,11 @@ def test_llama_presets_have_published_sizes(preset, billions):
     with torch.device("meta"):
         model = Transformer(model_args(cfg.model, vocab_size=128256))
     assert model.num_params() / 1e9 == pytest.approx(billions, rel=0.01)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_parameter_arithmetic_matches_the_built_model(preset):
+    """ModelArgs.num_params (used by the planner and the driver) counts what the module holds."""
+    args = model_args(config_from_dict({"model": {"preset": preset}}).model, 256)
+    with torch.device("meta"):
+        assert args.num_params == Transformer(args).num_params()

@@ -34,6 +34,20 @@ class ModelArgs:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def block_params(self) -> tuple[int, int]:
+        """(linear, norm) parameters of one block: the linears are what tensor parallelism
+        splits, the two RMSNorm weights stay whole."""
+        linear = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads) + 3 * self.dim * self.ffn_dim
+        return linear, 2 * self.dim
+
+    @property
+    def num_params(self) -> int:
+        """The whole model's parameters (a tied embedding once), by arithmetic: nothing built."""
+        linear, norms = self.block_params
+        vocab = self.vocab_size * self.dim
+        return self.n_layers * (linear + norms) + vocab * (1 if self.tie_embeddings else 2) + self.dim
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):

@@ -55,11 +55,7 @@ def local_stages(pp_rank: int, pp: int, num_stages: int, schedule: str) -> list[
 def stage_costs(args) -> tuple[list[int], int, int]:
     """(parameters per block, embedding parameters, norm + head parameters). A tied head still
     costs the last stage its weight: it holds a copy and does the vocab-sized matmul."""
-    block = (
-        2 * args.dim  # two norms
-        + args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads)
-        + 3 * args.dim * args.ffn_dim
-    )
+    block = sum(args.block_params)
     embed = args.vocab_size * args.dim
     return [block] * args.n_layers, embed, embed + args.dim
 
