@@ -20,15 +20,15 @@ from torch.distributed.tensor import DTensor
 from raymp.optim import adamw_kwargs, build_optimizer, param_groups
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a DTensor; a plain tensor as it is."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _device_of(params) -> torch.device:
     if not params:
         return torch.device("cpu")
-    grad = params[0].grad
-    return (grad.to_local() if isinstance(grad, DTensor) else grad).device
+    return local_tensor(params[0].grad).device
 
 
 def _unique_bytes(tensors) -> int:
@@ -37,7 +37,7 @@ def _unique_bytes(tensors) -> int:
     for t in tensors:
         if t is None:
             continue
-        t = _local(t)
+        t = local_tensor(t)
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
         if t.numel() and key not in seen:
             seen.add(key)
@@ -85,8 +85,7 @@ class DataParallelEngine:
                 for size, placement in zip(grad.device_mesh.shape, grad.placements):
                     # Not is_shard(): FSDP over TP uses _StridedShard, which is not a Shard.
                     shards *= 1 if placement.is_replicate() else size
-                grad = grad.to_local()
-            squares += grad.detach().double().pow(2).sum() * (shards / copies)
+            squares += local_tensor(grad).detach().double().pow(2).sum() * (shards / copies)
         if dist.is_initialized():
             dist.all_reduce(squares)
         norm = float(squares.sqrt())
@@ -196,7 +195,7 @@ class DDPEngine(DataParallelEngine):
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
         for module in self.modules:
-            grads = [_local(p.grad) for p in module.parameters() if p.grad is not None]
+            grads = [local_tensor(p.grad) for p in module.parameters() if p.grad is not None]
             if not grads:
                 continue
             flat = _flatten_dense_tensors(grads)

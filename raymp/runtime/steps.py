@@ -15,7 +15,7 @@ from raymp.models import build_model
 from raymp.parallel.checkpointing import apply_activation_checkpointing
 from raymp.parallel.pipeline import ActivationMeter
 from raymp.parallel.tensor import apply_tensor_parallel, loss_context
-from raymp.parallel.zero import apply_data_parallel
+from raymp.parallel.zero import apply_data_parallel, local_tensor
 
 
 def _block_names(module) -> list[str]:
@@ -37,11 +37,6 @@ def _parallelize(modules, cfg, mesh, device, zero_bubble: bool = False):
         reshard_after_forward=False if zero_bubble else None,
         wrap_ddp=p.pp == 1 and p.tp == 1,
     )
-
-
-def _plain(loss: torch.Tensor) -> torch.Tensor:
-    """A loss computed on vocabulary-sharded logits is a replicated DTensor: its local value."""
-    return loss.to_local() if hasattr(loss, "to_local") else loss
 
 
 class LocalStep:
@@ -77,7 +72,7 @@ class LocalStep:
                     loss = self.loss_meter.measure(lm_loss, logits, batch[:, 1:])
                 del logits
                 (loss / n).backward()
-            loss_sum += _plain(loss.detach())
+            loss_sum += local_tensor(loss.detach())
         self.engine.finish_gradients()
         peak, _ = self.meter.peak, self.meter.reset_peak()
         return {"loss": float(loss_sum) / n, "activation_peak_bytes": peak, **self.loss_meter.report()}
@@ -93,7 +88,7 @@ class LossMeter:
         self.logits_bytes = 0
 
     def measure(self, loss_fn, logits, labels):
-        local = logits.to_local() if hasattr(logits, "to_local") else logits
+        local = local_tensor(logits)
         self.logits_bytes = max(self.logits_bytes, local.numel() * local.element_size())
         with self.meter.hooks():
             return loss_fn(logits, labels)
@@ -224,7 +219,7 @@ class PipelineStep:
         self.engine.finish_gradients()
         self._sync_tied_grads()
         return {
-            "loss": float(torch.stack([_plain(x.detach()) for x in losses]).mean()) if self.is_last else None,
+            "loss": float(torch.stack([local_tensor(x.detach()) for x in losses]).mean()) if self.is_last else None,
             "pipeline_events": list(self.clock.events),
             "activation_peak_bytes": self.meter.peak,
             **(self.loss_meter.report() if self.is_last else {}),
@@ -236,7 +231,7 @@ class PipelineStep:
         grads = [param.grad for _, param in self._tied if param.grad is not None]
         if not grads:
             return
-        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        local = [local_tensor(g) for g in grads]
         total = local[0].clone()
         for g in local[1:]:
             total += g
