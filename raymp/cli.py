@@ -93,7 +93,7 @@ def _interrupt(signum, frame):
 
 
 def _plan(args) -> int:
-    from raymp.config import ConfigError, apply_overrides, config_from_dict
+    from raymp.config import TOKENIZER_VOCAB, ConfigError, apply_overrides, config_from_dict
     from raymp.models import count_parameters, model_args
     from raymp.planner import Layout, cluster_from_config, format_plan, plan, explain
 
@@ -119,7 +119,7 @@ def _plan(args) -> int:
     if train.get("seq_len"):  # plan for the context asked for, whatever the preset's default
         data["model"] = {**data.get("model", {}), "max_seq_len": train["seq_len"]}
     cfg = config_from_dict(data)
-    vocab = cfg.model.vocab_size or {"byte": 256, "gpt2": 50257}[cfg.data.tokenizer]
+    vocab = cfg.model.vocab_size or TOKENIZER_VOCAB[cfg.data.tokenizer]
     margs = model_args(cfg.model, vocab)
     spec = cluster_from_config(cfg.cluster)
     bf16 = cfg.precision == "bf16"

@@ -73,6 +73,12 @@ class Layout:
     sequence_parallel: bool = False
     schedule: str = "1f1b"
 
+    @classmethod
+    def of(cls, parallel) -> "Layout":
+        """The layout a config's `parallel` section describes."""
+        return cls(parallel.dp, parallel.pp, parallel.tp, parallel.zero, parallel.micro_batch_size,
+                   parallel.activation_checkpointing, parallel.sequence_parallel, parallel.schedule)
+
     def describe(self) -> str:
         extra = (" +AC" if self.activation_checkpointing else "") + (" +SP" if self.sequence_parallel else "")
         return (f"dp={self.dp} pp={self.pp} tp={self.tp} zero={self.zero} mbs={self.micro_batch_size} "

@@ -112,12 +112,10 @@ class Trainer:
         """The planner's per-rank estimate for this layout, logged beside what each rank measures."""
         from raymp.planner import Layout, estimate
 
-        p = cfg.parallel
-        layout = Layout(p.dp, p.pp, p.tp, p.zero, p.micro_batch_size, p.activation_checkpointing,
-                        p.sequence_parallel, p.schedule)
         self.memory_estimate = estimate(
-            model_args(cfg.model, self.data.vocab_size), layout, cfg.train.global_batch_size,
-            cfg.train.seq_len, cfg.precision == "bf16", p.stage_layers,
+            model_args(cfg.model, self.data.vocab_size), Layout.of(cfg.parallel),
+            cfg.train.global_batch_size, cfg.train.seq_len, cfg.precision == "bf16",
+            cfg.parallel.stage_layers,
         )
 
     @staticmethod

@@ -80,9 +80,7 @@ def test_gpu_configs_fit_their_cluster_by_the_planner(name):
     p, cluster = cfg.parallel, cluster_from_config(cfg.cluster)
     assert p.world_size == cluster.world, "the layout must use the whole cluster it documents"
     assert p.tp <= cluster.gpus_per_node
-    layout = Layout(p.dp, p.pp, p.tp, p.zero, p.micro_batch_size, p.activation_checkpointing,
-                    p.sequence_parallel, p.schedule)
-    ranks = estimate(model_args(cfg.model, 50257), layout, cfg.train.global_batch_size,
+    ranks = estimate(model_args(cfg.model, 50257), Layout.of(p), cfg.train.global_batch_size,
                      cfg.train.seq_len, cfg.precision == "bf16")
     peak = max(r.total_bytes for r in ranks)
     assert peak <= 0.9 * cluster.gpu_memory_gb * 1e9, f"{name}: {peak / 1e9:.1f} GB"
