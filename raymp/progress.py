@@ -32,15 +32,16 @@ class StepProgress:
         status = f"loss {m['loss']:.4f}  {m['tokens_per_s']:,.0f} tok/s"
         if self._bar is not None:
             self._bar.update(self._task, completed=step, status=status)
-        if step % self.log_every == 0 or step == self.total or step == 1:
+        if step % self.log_every == 0 or step == self.total or step == 1 or "val_loss" in m:
+            val = f"  val_loss {m['val_loss']:.4f}" if m.get("val_loss") is not None else ""
             bubble = ""
             if m.get("bubble_fraction") is not None:
                 theory = m.get("bubble_fraction_theory")
                 bubble = f"  bubble {m['bubble_fraction']:.0%}" + (f" (theory {theory:.0%})" if theory is not None else "")
             self.console.print(
                 f"step {step:>5}/{self.total}  loss {m['loss']:.4f}  grad_norm {m['grad_norm']:.3f}  "
-                f"lr {m['lr']:.2e}  {m['tokens_per_s']:,.0f} tok/s  {m['step_time_s'] * 1000:.0f} ms/step"
-                f"{bubble}",
+                f"{val}  lr {m['lr']:.2e}  {m['tokens_per_s']:,.0f} tok/s  {m['step_time_s'] * 1000:.0f} ms/step"
+                f"  data wait {m.get('data_wait_fraction', 0):.0%}{bubble}",
                 highlight=False,
             )
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from raymp.config import RunConfig
-from raymp.data import GlobalOrder, load_packed
+from raymp.data import TrainOrder, load_dataset
 from raymp.loss import lm_loss
 from raymp.models import build_model, model_args
 from raymp.optim import build_optimizer, build_scheduler
@@ -18,8 +18,7 @@ from raymp.optim import build_optimizer, build_scheduler
 def train_single_process(cfg: RunConfig, steps: int | None = None) -> tuple[list[float], dict]:
     """Returns (loss per step, final state dict). Each step averages the loss over the whole
     global batch, processed in chunks of micro_batch_size (memory only; the math is the same)."""
-    data = load_packed(cfg.data, cfg.train.seq_len, cfg.seed)
-    order = GlobalOrder(len(data.train), cfg.train.global_batch_size, cfg.seed)
+    data, order = _data(cfg)
     model = build_model(model_args(cfg.model, data.vocab_size), cfg.seed)
     optimizer = build_optimizer(model.parameters(), cfg.optimizer)
     scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.train.steps)
@@ -28,10 +27,10 @@ def train_single_process(cfg: RunConfig, steps: int | None = None) -> tuple[list
     )
     losses = []
     for step in range(steps or cfg.train.steps):
-        chunks = order.batch(step).reshape(-1, cfg.parallel.micro_batch_size)
+        chunks = data.gather(order.batch(step)).reshape(-1, cfg.parallel.micro_batch_size, cfg.train.seq_len + 1)
         total = 0.0
-        for ids in chunks:
-            batch = torch.from_numpy(data.train[ids].astype(np.int64))
+        for chunk in chunks:
+            batch = torch.from_numpy(chunk.astype(np.int64))
             with autocast:
                 loss = lm_loss(model(batch[:, :-1]), batch[:, 1:])
             (loss / len(chunks)).backward()
@@ -48,14 +47,35 @@ def train_single_process(cfg: RunConfig, steps: int | None = None) -> tuple[list
 def single_process_gradients(cfg: RunConfig) -> dict[str, torch.Tensor]:
     """Gradient of the first step's loss (mean over its micro-batches) for every parameter, by
     name, before clipping or any update: what each parallel layout must reproduce exactly."""
-    data = load_packed(cfg.data, cfg.train.seq_len, cfg.seed)
-    order = GlobalOrder(len(data.train), cfg.train.global_batch_size, cfg.seed)
+    data, order = _data(cfg)
     model = build_model(model_args(cfg.model, data.vocab_size), cfg.seed)
-    chunks = order.batch(0).reshape(-1, cfg.parallel.micro_batch_size)
-    for ids in chunks:
-        batch = torch.from_numpy(data.train[ids].astype(np.int64))
+    chunks = data.gather(order.batch(0)).reshape(-1, cfg.parallel.micro_batch_size, cfg.train.seq_len + 1)
+    for chunk in chunks:
+        batch = torch.from_numpy(chunk.astype(np.int64))
         (lm_loss(model(batch[:, :-1]), batch[:, 1:]) / len(chunks)).backward()
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
     if model.args.tie_embeddings:
         grads["output.weight"] = grads["tok_embeddings.weight"]
     return grads
+
+
+def _data(cfg: RunConfig):
+    """The same prepared dataset and global order a distributed run reads."""
+    data = load_dataset(cfg.data, cfg.train.seq_len, log=lambda *_: None)
+    return data, TrainOrder(data.num_samples, cfg.data.val_fraction, cfg.seed, cfg.train.global_batch_size)
+
+
+@torch.no_grad()
+def single_process_val_loss(cfg: RunConfig, weights: dict[str, torch.Tensor]) -> float:
+    """Mean loss of `weights` over the held-out batches a run validates on (the first
+    train.eval_batches global batches of the validation split), micro-batch by micro-batch."""
+    data, order = _data(cfg)
+    model = build_model(model_args(cfg.model, data.vocab_size), cfg.seed)
+    model.load_state_dict(weights)
+    g, mb = cfg.train.global_batch_size, cfg.parallel.micro_batch_size
+    losses = []
+    for i in range(cfg.train.eval_batches):
+        tokens = data.gather(order.val_ids[i * g:(i + 1) * g]).astype(np.int64)
+        for chunk in torch.from_numpy(tokens).split(mb):
+            losses.append(lm_loss(model(chunk[:, :-1]), chunk[:, 1:]).item())
+    return sum(losses) / len(losses)

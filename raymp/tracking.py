@@ -45,7 +45,7 @@ class RunTracker:
         self._buffer: list = []
         self.time_in_mlflow_s = 0.0
         self.finished = False
-        self._log_params(flatten(resolved_dict(cfg)))
+        self.log_params(flatten(resolved_dict(cfg)))
 
     def _timed(self, fn, *args, **kwargs):
         t0 = time.perf_counter()
@@ -54,7 +54,7 @@ class RunTracker:
         finally:
             self.time_in_mlflow_s += time.perf_counter() - t0
 
-    def _log_params(self, params: dict) -> None:
+    def log_params(self, params: dict) -> None:
         from mlflow.entities import Param
 
         items = [Param(k, str(v)[:6000]) for k, v in sorted(params.items())]

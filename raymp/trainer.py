@@ -13,11 +13,12 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import ray
 import yaml
 
 from raymp.config import CPU_OFFLOAD_ON_CPU, ConfigError, RunConfig, config_from_dict, load_config, resolved_dict
-from raymp.data import GlobalOrder, load_packed, replica_slice
+from raymp.data import DataPosition, TrainOrder, load_dataset, replica_slice
 from raymp.models import count_parameters, model_args
 from raymp.parallel.mesh import ParallelDims
 from raymp.progress import StepProgress
@@ -45,7 +46,8 @@ def as_config(config: RunConfig | str | Path | dict, overrides: list[str] | None
 
 class Trainer:
     def __init__(self, config: RunConfig | str | Path | dict, overrides: list[str] | None = None,
-                 *, actor_group: ActorGroup | None = None, progress: bool = True):
+                 *, actor_group: ActorGroup | None = None, progress: bool = True,
+                 data_position: DataPosition | dict | None = None):
         self.config = as_config(config, overrides)
         self._shared_group = actor_group
         self.group: ActorGroup | None = None
@@ -55,6 +57,9 @@ class Trainer:
         self.run_name = self.config.tracking.run_name or _default_run_name(self.config)
         self.run_dir = Path(self.config.output_dir) / self.run_name
         self._ready = False
+        self._next_step = 0
+        self.start = None  # DataPosition the streams started from
+        self._resume_position = data_position
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -64,9 +69,15 @@ class Trainer:
         cfg = self.config
         p = cfg.parallel
         self.dims = ParallelDims(p.dp, p.pp, p.tp)
-        self.data = load_packed(cfg.data, cfg.train.seq_len, cfg.seed)
-        self.order = GlobalOrder(len(self.data.train), cfg.train.global_batch_size, cfg.seed)
-        connect(cfg.resources.address, self.dims.world_size * cfg.resources.cpus_per_actor)
+        # One CPU beyond the actors' for the Ray Data tasks that prepare and stream the data.
+        connect(cfg.resources.address, self.dims.world_size * cfg.resources.cpus_per_actor + 1)
+        log = print if self.progress_enabled else (lambda *_: None)
+        self.data = load_dataset(cfg.data, cfg.train.seq_len, log=log)
+        self._check_vocab(cfg)
+        self.order = TrainOrder(self.data.num_samples, cfg.data.val_fraction, cfg.seed,
+                                cfg.train.global_batch_size)
+        self.start = self._checked_position(self._resume_position) if self._resume_position else \
+            DataPosition.at(0, 0, self.order, cfg.seed, self.data.identity)
         self.device = resolve_device(cfg.resources.device, self.dims.world_size)
         if self.device == "cpu" and cfg.optimizer.cpu_offload:
             raise ConfigError(CPU_OFFLOAD_ON_CPU + " (resources.device=auto found no GPUs)")
@@ -91,8 +102,9 @@ class Trainer:
             split = balance_stages(model_args(cfg.model, self.data.vocab_size), p.num_stages)
             self.config = cfg = config_from_dict(resolved_dict(cfg), [f"parallel.stage_layers={split}"])
         self._estimate_memory(cfg)
-        samples_ref = ray.put(self.data.train)
-        infos = self.group.call("setup", resolved_dict(cfg), samples_ref, self.data.vocab_size)
+        infos = self.group.call("setup", resolved_dict(cfg), self.data.vocab_size)
+        self._start_streams(self.start)
+        self._send_eval_data()
         self.num_params = count_parameters(model_args(cfg.model, self.data.vocab_size))
         self._stages_by_rank = [info.get("stages", {}) for info in infos]
         if self.dims.pp > 1:
@@ -105,8 +117,108 @@ class Trainer:
 
             self.tracker = RunTracker(cfg, self.run_name, self._tags())
             self.tracker.log_text(yaml.safe_dump(resolved_dict(cfg), sort_keys=False), "config.yaml")
+            self.tracker.log_params(self._data_params())
         self._ready = True
         return self
+
+    # -- data -------------------------------------------------------------------------------
+
+    def _check_vocab(self, cfg) -> None:
+        if cfg.model.vocab_size is not None and cfg.model.vocab_size < self.data.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the {self.data.tokenizer} "
+                f"tokenizer's {self.data.vocab_size} tokens; leave it unset to take it from the tokenizer"
+            )
+
+    def _data_params(self) -> dict:
+        m = self.data.manifest
+        params = {"data.root": self.data.root, "data.samples": m["samples"], "data.tokens": m["tokens"],
+                  "data.train_samples": len(self.order.train_ids), "data.val_samples": len(self.order.val_ids)}
+        params.update({f"data.skipped.{reason}": n for reason, n in m["skipped"].items()})
+        return params
+
+    def _first_stage_ranks(self) -> list[int]:
+        return [r for r in range(self.dims.world_size) if self.dims.coords(r)["pp"] == 0]
+
+    def _start_streams(self, start: DataPosition) -> None:
+        """One Ray Data stream per first-stage rank (each TP rank of the first stage reads its
+        replica's stream), beginning at `start`."""
+        from raymp.data.stream import StreamSpec, replica_dataset
+
+        cfg = self.config
+        free = ray.available_resources().get("CPU", 0)
+        if free < cfg.data.stream_cpus:
+            raise ConfigError(
+                f"the data streams' Ray Data tasks need data.stream_cpus={cfg.data.stream_cpus} free CPU, "
+                f"but the cluster has {free:g} left after placing the actors; add CPUs, or lower "
+                "resources.cpus_per_actor or data.stream_cpus"
+            )
+        steps = cfg.train.steps - start.step
+        args = []
+        for rank in range(self.dims.world_size):
+            c = self.dims.coords(rank)
+            dataset = None
+            if c["pp"] == 0 and steps > 0:
+                spec = StreamSpec(self.data.root, self.data.num_samples, cfg.data.val_fraction, cfg.seed,
+                                  cfg.train.global_batch_size, self.dims.dp, c["dp"], start)
+                dataset = replica_dataset(spec, steps, cfg.data.stream_cpus)
+            args.append((dataset, start.step, cfg.train.global_batch_size // self.dims.dp,
+                         cfg.data.prefetch_batches))
+        self.group.call_per_rank("start_stream", args)
+        self.start = start
+        self._next_step = start.step
+
+    def _send_eval_data(self) -> None:
+        """The held-out batches every validation uses: the first train.eval_batches global
+        batches of the validation split, each replica its slice."""
+        cfg, t = self.config, self.config.train
+        n = min(t.eval_batches, len(self.order.val_ids) // t.global_batch_size)
+        if t.eval_batches and n == 0:
+            raise ConfigError(
+                f"data.val_fraction={cfg.data.val_fraction} holds out {len(self.order.val_ids)} samples, "
+                f"fewer than one global batch ({t.global_batch_size}); raise data.val_fraction or set "
+                "train.eval_batches=0"
+            )
+        self.eval_batches = n
+        batches = [self.order.val_ids[i * t.global_batch_size:(i + 1) * t.global_batch_size] for i in range(n)]
+        args = []
+        for rank in range(self.dims.world_size):
+            c = self.dims.coords(rank)
+            if c["pp"] == 0:
+                args.append(([self.data.gather(replica_slice(b, self.dims.dp, c["dp"])) for b in batches],))
+            else:
+                args.append(([None] * n,))
+        self.group.call_per_rank("set_eval_data", args)
+
+    def data_position(self) -> DataPosition:
+        """Where the run is in its data (steps done, samples consumed, epoch, offset): saved
+        with a checkpoint; restore_data_position() continues from it, with any layout."""
+        self.setup()
+        consumed = self.start.consumed + (self._next_step - self.start.step) * self.config.train.global_batch_size
+        return DataPosition.at(self._next_step, consumed, self.order, self.config.seed, self.data.identity)
+
+    def restore_data_position(self, position: DataPosition | dict) -> None:
+        """Continue from a saved data position: the next step reads exactly what the step after
+        the saved one would have read in an uninterrupted run."""
+        self.setup()
+        self._start_streams(self._checked_position(position))
+
+    def _checked_position(self, position: DataPosition | dict) -> DataPosition:
+        if isinstance(position, dict):
+            position = DataPosition.from_dict(position)
+        position.check_compatible(self.order, self.config.seed, self.data.identity)
+        if position.step > self.config.train.steps:
+            raise ValueError(f"the data position is at step {position.step}, past train.steps="
+                             f"{self.config.train.steps}; raise train.steps to train on")
+        return position
+
+    def evaluate(self) -> float | None:
+        """Mean loss on the held-out validation batches (None if train.eval_batches is 0)."""
+        self.setup()
+        if not self.eval_batches:
+            return None
+        losses = [x for x in self.group.call("evaluate") if x is not None]
+        return sum(losses) / len(losses)
 
     def _estimate_memory(self, cfg) -> None:
         """The planner's per-rank estimate for this layout, logged beside what each rank measures."""
@@ -145,25 +257,29 @@ class Trainer:
 
     @property
     def global_step(self) -> int:
-        return len(self.history)
+        """Optimizer steps done (including those before a restored data position)."""
+        return self._next_step
 
     def step(self) -> dict:
         """Run one optimizer step on every actor and return the aggregated metrics."""
         self.setup()
         cfg = self.config
         step = self.global_step
-        batch = self.order.batch(step)
-        # Only first-stage ranks (pp rank 0, for every schedule) read data; the others get None.
-        args = []
-        for rank in range(self.dims.world_size):
-            c = self.dims.coords(rank)
-            args.append((replica_slice(batch, self.dims.dp, c["dp"]) if c["pp"] == 0 else None,))
+        if step >= cfg.train.steps:
+            raise RuntimeError(f"the run is complete: train.steps={cfg.train.steps} steps done")
         t0 = time.perf_counter()
         try:
-            per_rank = self.group.call_per_rank("train_step", args)
+            per_rank = self.group.call("train_step", step)
         except ray.exceptions.RayActorError as exc:
             raise WorkerLostError(self._describe_loss(exc), step) from exc
         step_time = time.perf_counter() - t0
+        self._next_step += 1
+        readers = [per_rank[r] for r in self._first_stage_ranks()]
+        data_wait = max(r["data_wait_s"] for r in readers)
+        # The global batch as the replicas read it (tp rank 0 of each), in replica order.
+        sample_ids = np.concatenate([
+            per_rank[self.dims.rank_of(dp=d, pp=0, tp=0)]["sample_ids"] for d in range(self.dims.dp)
+        ])
         tokens = cfg.train.global_batch_size * cfg.train.seq_len
         losses = [r["loss"] for r in per_rank if r["loss"] is not None]  # last stages only
         metrics = {
@@ -173,6 +289,9 @@ class Trainer:
             "lr": per_rank[0]["lr"],
             "step_time_s": step_time,
             "tokens_per_s": tokens / step_time,
+            "data_wait_s": data_wait,
+            "data_wait_fraction": data_wait / step_time,
+            "sample_ids": sample_ids,
             "peak_mem_bytes_max": max(r["peak_mem_bytes"] for r in per_rank),
             "memory_measured_bytes_max": max(self._measured_bytes(r) for r in per_rank),
             "memory_estimate_bytes_max": max(
@@ -181,11 +300,16 @@ class Trainer:
         }
         if self.dims.pp > 1:
             metrics.update(self._pipeline_metrics(per_rank))
+        for r in per_rank:
+            r.pop("sample_ids", None)
         metrics["per_rank"] = per_rank
+        t = cfg.train
+        if self.eval_batches and ((t.eval_every and (step + 1) % t.eval_every == 0) or step + 1 == t.steps):
+            metrics["val_loss"] = self.evaluate()
         self.history.append(metrics)
         if self.tracker is not None:
-            keys = ("loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "bubble_fraction",
-                    "bubble_fraction_theory")
+            keys = ("loss", "val_loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "data_wait_s",
+                    "data_wait_fraction", "bubble_fraction", "bubble_fraction_theory")
             logged = {k: metrics[k] for k in keys if metrics.get(k) is not None}
             logged["peak_mem_mb_max"] = metrics["peak_mem_bytes_max"] / 2**20
             logged["memory_measured_mb_max"] = metrics["memory_measured_bytes_max"] / 2**20
@@ -322,8 +446,10 @@ class Trainer:
         if p.pp > 1:
             pipeline = (f"; pipeline {p.schedule}, {p.num_stages} stages, layers "
                         f"{[len(s) for s in self.stage_layers]}")
+        m = self.data.manifest
         return (
             f"raymp run {self.run_name}: {self.num_params / 1e6:.2f}M params, "
+            f"data {m['source']!r} ({m['samples']:,} samples, {m['tokenizer']} tokens), "
             f"dp={p.dp} pp={p.pp} tp={p.tp}{' (sequence parallel)' if p.sequence_parallel else ''} zero={p.zero} on {self.dims.world_size} {self.device} "
             f"actor(s) ({self.group.backend}); global batch {t.global_batch_size} x {t.seq_len} tokens "
             f"= {accum} micro-batch(es) of {p.micro_batch_size} per replica; precision {self.config.precision}{pipeline}"
@@ -340,6 +466,13 @@ class Trainer:
             f"median {tps:,.0f} tokens/s, peak memory {h[-1]['peak_mem_bytes_max'] / 2**20:.0f} MiB/rank",
         ]
         last = h[-1]
+        vals = [m["val_loss"] for m in h if m.get("val_loss") is not None]
+        waits = sorted(m["data_wait_fraction"] for m in tail)
+        lines.append(
+            (f"validation loss {vals[-1]:.4f} on {self.eval_batches} held-out batch(es); " if vals else "")
+            + f"data: {self.data.manifest['tokens']:,} tokens, epoch {self.data_position().epoch} "
+            f"offset {self.data_position().offset}; median data wait {waits[len(waits) // 2]:.1%} of step time"
+        )
         lines.append(
             f"model state + activations per rank: measured {last['memory_measured_bytes_max'] / 2**20:.1f} MiB, "
             f"planner estimate {last['memory_estimate_bytes_max'] / 2**20:.1f} MiB (max over ranks)"

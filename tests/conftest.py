@@ -11,7 +11,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="session")
-def data_cache(tmp_path_factory):
+def data_cache(tmp_path_factory, ray_local):
+    """Preparing data runs Ray Data tasks: on the session's Ray instance, not one of its own."""
     return str(tmp_path_factory.mktemp("raymp_cache"))
 
 
@@ -20,6 +21,9 @@ def ray_local():
     import ray
 
     if not ray.is_initialized():
+        # Ray's workers import test helpers too (a tokenizer plugged in by import path).
+        tests = os.path.dirname(os.path.abspath(__file__))
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
         # Logical CPUs, not cores: shared groups (2 + 4 + 8 actors) stay up while tests start their own.
         ray.init(num_cpus=32, include_dashboard=False, log_to_driver=False)
     yield ray

@@ -64,7 +64,7 @@ def pipeline_gradients(cfg, group):
         t.setup()
         batch = t.order.batch(0)
         args = [
-            (replica_slice(batch, t.dims.dp, t.dims.coords(r)["dp"]) if t.dims.coords(r)["pp"] == 0 else None,)
+            (t.data.gather(replica_slice(batch, t.dims.dp, t.dims.coords(r)["dp"])) if t.dims.coords(r)["pp"] == 0 else None,)
             for r in range(t.dims.world_size)
         ]
         grads = {}

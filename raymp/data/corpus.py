@@ -1,11 +1,21 @@
-"""Read documents (strings) from the built-in corpus or from user files, failing loudly on bad data."""
+"""Where the text is and how one file becomes documents: the built-in corpus or user files on any
+pyarrow/fsspec filesystem, parsed with errors that name the file and line.
+
+Parsing is our own rather than ray.data.read_json/read_text: those fail deep inside Arrow with
+messages that do not name the line, and cannot skip-and-count a bad record.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
+
+SUFFIXES = (".jsonl", ".txt", ".parquet")
+SKIP_HINT = "or set data.on_bad_data=skip to skip and count such records"
 
 
 class DataError(ValueError):
@@ -27,71 +37,161 @@ def kjv_path() -> Path:
     return path
 
 
-def source_files(source: str) -> list[Path]:
-    if source == "kjv":
-        return [kjv_path()]
-    p = Path(source).expanduser()
-    if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.suffix in {".jsonl", ".txt", ".parquet"})
-        if not files:
+def filesystem_for(uri: str):
+    """(pyarrow filesystem, path inside it) for a local path or a URI (s3://, gs://, hdfs://,
+    file://, or any scheme fsspec knows)."""
+    import pyarrow.fs as pafs
+
+    if "://" not in uri:
+        return pafs.LocalFileSystem(), str(Path(uri).expanduser().resolve())
+    try:
+        return pafs.FileSystem.from_uri(uri)
+    except (ValueError, NotImplementedError):  # ArrowInvalid / ArrowNotImplementedError: unknown scheme
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(uri)
+        return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
+
+
+@dataclass(frozen=True)
+class Source:
+    """The input files of a dataset, resolved once on the driver."""
+
+    name: str  # what the user wrote (data.source)
+    filesystem: object  # pyarrow.fs.FileSystem
+    paths: tuple[str, ...]
+    sizes: tuple[int, ...]
+    mtimes: tuple[int, ...]
+
+    def fingerprint(self) -> str:
+        """Cheap identity of the inputs (path, size, mtime) so a changed corpus is re-tokenized."""
+        h = hashlib.sha256()
+        for path, size, mtime in zip(self.paths, self.sizes, self.mtimes):
+            h.update(f"{path}:{size}:{mtime}".encode())
+        return h.hexdigest()[:16]
+
+
+def resolve_source(source: str) -> Source:
+    import pyarrow.fs as pafs
+
+    uri = str(kjv_path()) if source == "kjv" else source
+    try:
+        fs, root = filesystem_for(uri)
+        info = fs.get_file_info(root)
+    except (OSError, ImportError, ValueError) as exc:
+        raise DataError(f"data.source {source!r}: cannot open ({exc})") from None
+    if info.type == pafs.FileType.NotFound:
+        raise DataError(f"data.source {source!r}: no such file or directory (or use 'kjv')")
+    if info.type == pafs.FileType.Directory:
+        infos = [
+            i for i in fs.get_file_info(pafs.FileSelector(root, recursive=True))
+            if i.type == pafs.FileType.File and i.path.endswith(SUFFIXES)
+        ]
+        if not infos:
             raise DataError(f"data.source {source!r}: no .jsonl, .txt or .parquet files in it")
-        return files
-    if p.is_file():
-        return [p]
-    raise DataError(f"data.source {source!r}: no such file or directory (or use 'kjv')")
+        infos.sort(key=lambda i: i.path)
+    else:
+        infos = [info]
+    return Source(
+        name=source, filesystem=fs, paths=tuple(i.path for i in infos),
+        sizes=tuple(int(i.size or 0) for i in infos),
+        mtimes=tuple(int(i.mtime_ns or 0) for i in infos),
+    )
 
 
-def fingerprint(files: list[Path]) -> str:
-    """Cheap identity of the inputs (path, size, mtime) so a changed corpus is re-tokenized."""
-    h = hashlib.sha256()
-    for f in files:
-        st = f.stat()
-        h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return h.hexdigest()[:16]
+@dataclass
+class Skip:
+    """A bad record. Under data.on_bad_data=skip it is counted by reason and reported; under
+    'error' the driver stops on the first one with `error()`. Parsing runs in Ray Data tasks,
+    which report bad records as data rather than raising: a task's exception reaches the driver
+    wrapped, with the message buried in a remote traceback."""
+
+    reason: str  # empty_file | not_utf8 | bad_json | bad_schema | null_text
+    where: str  # file[:line]
+    message: str = ""
+
+    def error(self) -> DataError:
+        return DataError(f"{self.where}: {self.message}; {SKIP_HINT}")
 
 
-def read_documents(files: list[Path], text_field: str = "text") -> Iterator[str]:
-    for f in files:
-        if f.stat().st_size == 0:
-            raise DataError(f"{f}: file is empty")
-        if f.suffix == ".parquet":
-            yield from _read_parquet(f, text_field)
-            continue
-        raw = f.read_bytes()
+def parse_file(path: str, raw: bytes, text_field: str, skip_bad: bool) -> Iterator[str | Skip]:
+    """The documents of one file, in order: a .txt file is one document, a .jsonl line or a
+    parquet row is one. Bad records are yielded as Skip; with skip_bad, a file with some
+    non-UTF-8 lines keeps its good lines, else it is one Skip."""
+
+    def bad(reason: str, where: str, message: str):
+        return Skip(reason, where, message)
+
+    name = path
+    if not raw:
+        yield bad("empty_file", name, "file is empty")
+        return
+    if path.endswith(".parquet"):
+        yield from _parse_parquet(name, raw, text_field, bad)
+        return
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        if not skip_bad:
+            yield bad("not_utf8", name, f"not UTF-8 at byte {exc.start} (line {line})")
+            return
+        yield from _parse_lines_skipping_bad_bytes(name, raw, text_field, bad)
+        return
+    if path.endswith(".jsonl"):
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                yield _parse_json_line(f"{name}:{n}", line, text_field, bad)
+    else:
+        yield text
+
+
+def _parse_json_line(where: str, line: str, text_field: str, bad) -> str | Skip:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return bad("bad_json", where, f"not valid JSON ({exc.msg})")
+    if not isinstance(row, dict) or text_field not in row:
+        return bad("bad_schema", where, f"no {text_field!r} field (set data.text_field)")
+    if not isinstance(row[text_field], str):
+        return bad("bad_schema", where, f"field {text_field!r} is not a string")
+    return row[text_field]
+
+
+def _parse_lines_skipping_bad_bytes(name: str, raw: bytes, text_field: str, bad) -> Iterator[str | Skip]:
+    """A file with some non-UTF-8 lines: keep the good lines, skip (and count) the bad ones."""
+    good: list[str] = []
+    for n, line in enumerate(raw.split(b"\n"), 1):
         try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            line = raw[: exc.start].count(b"\n") + 1
-            raise DataError(f"{f}: not UTF-8 at byte {exc.start} (line {line})") from None
-        if f.suffix == ".jsonl":
-            yield from _read_jsonl(f, text, text_field)
+            decoded = line.decode("utf-8")
+        except UnicodeDecodeError:
+            yield bad("not_utf8", f"{name}:{n}", "not UTF-8")
+            continue
+        if name.endswith(".jsonl"):
+            if decoded.strip():
+                yield _parse_json_line(f"{name}:{n}", decoded, text_field, bad)
         else:
-            yield text
+            good.append(decoded)
+    if good:
+        yield "\n".join(good)
 
 
-def _read_jsonl(f: Path, text: str, text_field: str) -> Iterator[str]:
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{f}:{n}: not valid JSON ({exc.msg})") from None
-        if not isinstance(row, dict) or text_field not in row:
-            raise DataError(f"{f}:{n}: no {text_field!r} field (set data.text_field)")
-        if not isinstance(row[text_field], str):
-            raise DataError(f"{f}:{n}: field {text_field!r} is not a string")
-        yield row[text_field]
-
-
-def _read_parquet(f: Path, text_field: str) -> Iterator[str]:
+def _parse_parquet(name: str, raw: bytes, text_field: str, bad) -> Iterator[str | Skip]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pq.read_table(f)
+    try:
+        table = pq.read_table(io.BytesIO(raw))
+    except (pa.ArrowInvalid, OSError) as exc:
+        yield bad("bad_schema", name, f"not a readable parquet file ({exc})")
+        return
     if text_field not in table.column_names:
-        raise DataError(
-            f"{f}: no column {text_field!r} (columns: {', '.join(table.column_names)}); set data.text_field"
-        )
-    for value in table.column(text_field).to_pylist():
-        if value is not None:
-            yield value
+        yield bad("bad_schema", name,
+                  f"no column {text_field!r} (columns: {', '.join(table.column_names)}); set data.text_field")
+        return
+    column = table.column(text_field)
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        yield bad("bad_schema", name, f"column {text_field!r} is {column.type}, not text")
+        return
+    for n, value in enumerate(column.to_pylist()):
+        yield value if value is not None else bad("null_text", f"{name}:row {n}", f"{text_field!r} is null")

@@ -1,108 +1,106 @@
-"""Tokenize documents and pack them into fixed-length samples of seq_len+1 tokens (inputs + shifted
-labels), cached on disk so later runs and every actor load the same array instantly."""
+"""A prepared dataset read back: random access to packed samples by id, from the parquet shards
+of any filesystem. Each process keeps the shards it has touched (a few MiB each) in a small cache,
+so the stream's tasks read a shard once, not once per batch."""
 
 from __future__ import annotations
 
-import json
-import os
+import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from raymp.data.corpus import DataError, fingerprint, read_documents, source_files
-from raymp.data.tokenizers import get_tokenizer
+from raymp.data.corpus import DataError, filesystem_for
+from raymp.data.prepare import join, prepare, read_manifest
 
 
-@dataclass
-class PackedData:
-    train: np.ndarray  # [n_train, seq_len + 1] int32
-    val: np.ndarray  # [n_val, seq_len + 1] int32
-    vocab_size: int
-    tokenizer: str
+@dataclass(frozen=True)
+class PackedDataset:
+    root: str  # the prepared directory (path or URI)
+    manifest: dict
+
+    @property
+    def num_samples(self) -> int:
+        return self.manifest["samples"]
 
     @property
     def seq_len(self) -> int:
-        return self.train.shape[1] - 1
+        return self.manifest["seq_len"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.manifest["vocab_size"]
+
+    @property
+    def tokenizer(self) -> str:
+        return self.manifest["tokenizer"]
+
+    @property
+    def identity(self) -> str:
+        """What a saved data position must match to be resumed here."""
+        m = self.manifest
+        return f"{m['fingerprint']}-{m['tokenizer']}-L{m['seq_len']}"
+
+    def gather(self, ids) -> np.ndarray:
+        """Samples `ids` (any order, repeats allowed) as an int32 array [len(ids), seq_len+1]."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.num_samples):
+            raise IndexError(f"sample ids must lie in [0, {self.num_samples}) for {self.root}")
+        starts = _shard_starts(tuple(s["samples"] for s in self.manifest["shards"]))
+        shard_of = np.searchsorted(starts, ids, side="right") - 1
+        out = np.empty((len(ids), self.seq_len + 1), dtype=np.int32)
+        for shard in np.unique(shard_of):
+            rows = shard_of == shard
+            tokens = _shard_tokens(self.root, self.manifest["shards"][shard]["file"], self.seq_len + 1)
+            out[rows] = tokens[ids[rows] - starts[shard]]
+        return out
 
 
-def tokenize_all(docs, tokenizer) -> np.ndarray:
-    parts: list[np.ndarray] = []
-    eot = np.asarray([tokenizer.eot_id], dtype=np.int32)
-    batch: list[str] = []
-    encode_batch = getattr(tokenizer, "encode_batch", None)
-    for doc in docs:
-        if encode_batch is None:
-            parts += [tokenizer.encode(doc), eot]
-            continue
-        batch.append(doc)
-        if len(batch) == 4096:
-            for ids in encode_batch(batch):
-                parts += [ids, eot]
-            batch = []
-    if batch:
-        for ids in encode_batch(batch):
-            parts += [ids, eot]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+@functools.lru_cache(maxsize=64)
+def _shard_starts(counts: tuple[int, ...]) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
 
 
-def pack(tokens: np.ndarray, seq_len: int) -> np.ndarray:
-    """Non-overlapping windows of seq_len+1 tokens; the tail shorter than a window is dropped
-    (and counted in the manifest, never silently)."""
-    window = seq_len + 1
-    n = len(tokens) // window
-    return tokens[: n * window].reshape(n, window)
+@functools.lru_cache(maxsize=16)
+def _shard_tokens(root: str, file: str, window: int) -> np.ndarray:
+    import pyarrow.parquet as pq
+
+    fs, path = filesystem_for(root)
+    column = pq.read_table(join(path, file), columns=["tokens"], filesystem=fs).column("tokens")
+    return np.asarray(column.combine_chunks().flatten()).reshape(-1, window)
 
 
-def load_packed(data_cfg, seq_len: int, seed: int) -> PackedData:
-    files = source_files(data_cfg.source)
-    tokenizer = get_tokenizer(data_cfg.tokenizer)
-    key = f"{fingerprint(files)}-{tokenizer.name}-{seq_len}"
-    cache = Path(data_cfg.cache_dir).expanduser() / key
-    manifest_path = cache / "manifest.json"
-    if manifest_path.is_file():
-        samples = np.load(cache / "samples.npy", mmap_mode="r")
-        manifest = json.loads(manifest_path.read_text())
-    else:
-        tokens = tokenize_all(read_documents(files, data_cfg.text_field), tokenizer)
-        samples = pack(tokens, seq_len)
-        if len(samples) == 0:
-            raise DataError(
-                f"data.source {data_cfg.source!r} has {len(tokens)} tokens, fewer than one sample of "
-                f"train.seq_len+1 = {seq_len + 1}; use more text or a shorter train.seq_len"
-            )
-        manifest = {
-            "files": [str(f) for f in files], "tokenizer": tokenizer.name, "seq_len": seq_len,
-            "tokens": int(len(tokens)), "samples": int(len(samples)),
-            "dropped_tail_tokens": int(len(tokens) - samples.size),
-        }
-        _write_cache(cache, samples, manifest)
-    n_val = int(round(len(samples) * data_cfg.val_fraction))
-    if data_cfg.val_fraction > 0 and n_val == 0:
-        n_val = 1
-    if len(samples) - n_val < 1:
-        raise DataError(f"data.val_fraction {data_cfg.val_fraction} leaves no training samples")
-    # The validation split is a fixed, seeded subset so it never depends on the layout.
-    perm = np.random.default_rng(seed).permutation(len(samples))
-    val_ids, train_ids = np.sort(perm[:n_val]), np.sort(perm[n_val:])
-    return PackedData(
-        train=np.ascontiguousarray(samples[train_ids]),
-        val=np.ascontiguousarray(samples[val_ids]),
-        vocab_size=tokenizer.vocab_size,
-        tokenizer=tokenizer.name,
+def open_packed(root: str) -> PackedDataset:
+    manifest = read_manifest(root)
+    if manifest is None:
+        raise DataError(f"{root} is not a prepared dataset (no manifest.json); run `raymp data prepare`")
+    return PackedDataset(root, manifest)
+
+
+def load_dataset(data_cfg, seq_len: int, log=print) -> PackedDataset:
+    """The packed dataset a run reads: `data.source` itself when it is a prepared directory,
+    else the cached preparation of it (prepared now if missing)."""
+    if data_cfg.source != "kjv":
+        manifest = read_manifest(data_cfg.source) if _is_dir(data_cfg.source) else None
+        if manifest is not None:
+            if manifest["seq_len"] != seq_len:
+                raise DataError(
+                    f"data.source {data_cfg.source} was prepared with seq_len {manifest['seq_len']}, but "
+                    f"train.seq_len is {seq_len}: its samples are the wrong length. Set "
+                    f"train.seq_len={manifest['seq_len']}, or prepare again with --seq-len {seq_len}"
+                )
+            return PackedDataset(data_cfg.source, manifest)
+    root, manifest = prepare(
+        data_cfg.source, tokenizer=data_cfg.tokenizer, seq_len=seq_len, cache_dir=data_cfg.cache_dir,
+        text_field=data_cfg.text_field, skip_bad=data_cfg.on_bad_data == "skip", log=log,
     )
+    return PackedDataset(root, manifest)
 
 
-def _write_cache(cache: Path, samples: np.ndarray, manifest: dict) -> None:
-    """Write to a temp dir then rename, so a crash never leaves a half cache that looks complete."""
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_name(cache.name + f".tmp-{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    np.save(tmp / "samples.npy", samples)
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+def _is_dir(source: str) -> bool:
+    import pyarrow.fs as pafs
+
     try:
-        os.replace(tmp, cache)
-    except OSError:  # another process won the race; its cache is identical
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
+        fs, path = filesystem_for(source)
+        return fs.get_file_info(path).type == pafs.FileType.Directory
+    except (OSError, ValueError):
+        return False

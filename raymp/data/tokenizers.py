@@ -76,9 +76,29 @@ def _gpt2_encoding():
     )
 
 
-def get_tokenizer(name: str):
-    if name == "byte":
+BUILTIN = ("byte", "gpt2")
+
+
+@functools.lru_cache(maxsize=8)
+def get_tokenizer(spec: str):
+    """'byte', 'gpt2', or 'package.module:factory' for your own: factory() must return an object
+    with name, vocab_size, eot_id and encode(text) -> int array (encode_batch optional)."""
+    if spec == "byte":
         return ByteTokenizer()
-    if name == "gpt2":
+    if spec == "gpt2":
         return GPT2Tokenizer()
-    raise ValueError(f"data.tokenizer: unknown tokenizer {name!r}; choose 'byte' or 'gpt2'")
+    if ":" not in spec:
+        raise ValueError(
+            f"data.tokenizer: unknown tokenizer {spec!r}; choose 'byte', 'gpt2' or 'package.module:factory'"
+        )
+    import importlib
+
+    module_name, attr = spec.split(":", 1)
+    try:
+        tok = getattr(importlib.import_module(module_name), attr)()
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"data.tokenizer {spec!r}: cannot load ({exc})") from None
+    missing = [a for a in ("name", "vocab_size", "eot_id", "encode") if not hasattr(tok, a)]
+    if missing:
+        raise ValueError(f"data.tokenizer {spec!r}: the tokenizer has no {', '.join(missing)}")
+    return tok

@@ -45,8 +45,8 @@ class LocalStep:
 
     counted_elsewhere: tuple = ()
 
-    def __init__(self, cfg, args, mesh, coords, device, samples):
-        self.cfg, self.device, self.samples = cfg, device, samples
+    def __init__(self, cfg, args, mesh, coords, device):
+        self.cfg, self.device = cfg, device
         model = build_model(args, cfg.seed, device)
         self.num_params = model.num_params()
         self.engine = _parallelize([model], cfg, mesh, device)
@@ -60,12 +60,13 @@ class LocalStep:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def forward_backward(self, sample_ids) -> dict:
-        micro = np.asarray(sample_ids).reshape(-1, self.cfg.parallel.micro_batch_size)
+    def forward_backward(self, tokens: np.ndarray) -> dict:
+        """tokens: this replica's samples of the step, [local batch, seq_len + 1]."""
+        micro = np.asarray(tokens).reshape(-1, self.cfg.parallel.micro_batch_size, tokens.shape[-1])
         n = len(micro)
         loss_sum = torch.zeros((), device=self.device)
-        for i, ids in enumerate(micro):
-            batch = torch.from_numpy(self.samples[ids].astype(np.int64)).to(self.device)
+        for i, chunk in enumerate(micro):
+            batch = torch.from_numpy(chunk.astype(np.int64)).to(self.device)
             with self.engine.no_sync(i == n - 1), loss_context(self.cfg.parallel.tp):
                 with self._autocast_ctx(), self.meter.hooks():
                     logits = self.engine.model(batch[:, :-1])
@@ -76,6 +77,17 @@ class LocalStep:
         self.engine.finish_gradients()
         peak, _ = self.meter.peak, self.meter.reset_peak()
         return {"loss": float(loss_sum) / n, "activation_peak_bytes": peak, **self.loss_meter.report()}
+
+    @torch.no_grad()
+    def evaluate(self, tokens: np.ndarray) -> float:
+        """Mean loss over `tokens` (forward only, same micro-batches as training)."""
+        micro = np.asarray(tokens).reshape(-1, self.cfg.parallel.micro_batch_size, tokens.shape[-1])
+        total = 0.0
+        for chunk in micro:
+            batch = torch.from_numpy(chunk.astype(np.int64)).to(self.device)
+            with loss_context(self.cfg.parallel.tp), self._autocast_ctx():
+                total += float(local_tensor(lm_loss(self.engine.model(batch[:, :-1]), batch[:, 1:])))
+        return total / len(micro)
 
 
 class LossMeter:
@@ -101,6 +113,7 @@ class LossMeter:
 
 
 _TIED_GROUPS: dict = {}
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def _tied_group(dims, coords):
@@ -125,8 +138,9 @@ class PipelineStep:
     first stage reads data; it sends the labels straight to the last stage."""
 
     LABEL_TAG = 7  # keeps the label message apart from the schedule's activation traffic
+    EVAL_TAG = 8
 
-    def __init__(self, cfg, args, mesh, coords, device, samples, dims):
+    def __init__(self, cfg, args, mesh, coords, device, dims):
         from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
         from raymp.parallel.pipeline import (
@@ -135,7 +149,7 @@ class PipelineStep:
         )
 
         p = cfg.parallel
-        self.cfg, self.device, self.samples, self.dims = cfg, device, samples, dims
+        self.cfg, self.device, self.dims = cfg, device, dims
         self.pp_rank = coords["pp"]
         self.pp_group = mesh["pp"].get_group()
         num_stages = p.num_stages
@@ -189,20 +203,72 @@ class PipelineStep:
             self._loss_calls += 1
             return self.loss_meter.measure(lm_loss, logits, labels)
 
-    def _batch(self, sample_ids):
-        batch = torch.from_numpy(self.samples[np.asarray(sample_ids)].astype(np.int64)).to(self.device)
-        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-
-    def forward_backward(self, sample_ids) -> dict:
+    def _inputs_and_labels(self, tokens):
+        """The first stage splits its batch and sends the labels to the last stage, which
+        receives them; stages in between get neither. Returns (inputs, labels, pending send)."""
         p, t = self.cfg.parallel, self.cfg.train
         inputs = labels = send = None
         if self.is_first:
-            inputs, labels = self._batch(sample_ids)
+            batch = torch.from_numpy(np.asarray(tokens).astype(np.int64)).to(self.device)
+            inputs, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
             if not self.is_last:
                 send = dist.isend(labels, group=self.pp_group, group_dst=self.last_pp_rank, tag=self.LABEL_TAG)
         elif self.is_last:
             labels = torch.empty(t.global_batch_size // p.dp, t.seq_len, dtype=torch.int64, device=self.device)
             dist.recv(labels, group=self.pp_group, group_src=0, tag=self.LABEL_TAG)
+        return inputs, labels, send
+
+    @torch.no_grad()
+    def evaluate(self, tokens) -> float | None:
+        """Forward-only pass of one global batch's share; the mean loss on the last stage.
+
+        Stage by stage, micro-batch by micro-batch, activations sent point to point: torch's
+        schedule.eval() asserts under V-shaped schedules (zbv, dualpipev) on torch 2.13, and
+        validation is rare enough that overlapping it is not worth a second code path."""
+        from raymp.parallel.pipeline import stage_to_pp_rank
+
+        p = self.cfg.parallel
+        inputs, labels, send = self._inputs_and_labels(tokens)
+        n = self.micro_batches
+        autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
+                    if self.cfg.precision == "bf16" and p.zero < 2 else contextlib.nullcontext())
+        owner = [stage_to_pp_rank(s, p.pp, p.schedule) for s in range(p.num_stages)]
+        modules = dict(zip(self.stage_ids, self.engine.models))
+        losses = []
+        for mb in range(n):
+            x = inputs.chunk(n)[mb] if self.is_first else None
+            for s in range(p.num_stages):
+                if owner[s] != self.pp_rank:
+                    continue
+                if s > 0 and owner[s - 1] != self.pp_rank:
+                    x = self._recv_activation(owner[s - 1])
+                with autocast, loss_context(p.tp if s == p.num_stages - 1 else 1):
+                    x = modules[s](x)
+                    if s == p.num_stages - 1:
+                        losses.append(float(local_tensor(lm_loss(x, labels.chunk(n)[mb]))))
+                if s < p.num_stages - 1 and owner[s + 1] != self.pp_rank:
+                    self._send_activation(x, owner[s + 1])
+        if send is not None:
+            send.wait()
+        return sum(losses) / len(losses) if self.is_last else None
+
+    def _send_activation(self, x: torch.Tensor, dst: int) -> None:
+        x = local_tensor(x).contiguous()
+        header = torch.tensor([*x.shape, _DTYPES.index(x.dtype)], dtype=torch.int64, device=self.device)
+        dist.send(header, group=self.pp_group, group_dst=dst, tag=self.EVAL_TAG)
+        dist.send(x, group=self.pp_group, group_dst=dst, tag=self.EVAL_TAG)
+
+    def _recv_activation(self, src: int) -> torch.Tensor:
+        header = torch.empty(4, dtype=torch.int64, device=self.device)  # [batch, seq, dim, dtype]
+        dist.recv(header, group=self.pp_group, group_src=src, tag=self.EVAL_TAG)
+        *shape, dtype = header.tolist()
+        x = torch.empty(shape, dtype=_DTYPES[dtype], device=self.device)
+        dist.recv(x, group=self.pp_group, group_src=src, tag=self.EVAL_TAG)
+        return x
+
+    def forward_backward(self, tokens) -> dict:
+        p = self.cfg.parallel
+        inputs, labels, send = self._inputs_and_labels(tokens)
         # A common start line, so the ranks' clocks describe one timeline.
         dist.barrier(group=self.pp_group)
         self.clock.restart()

@@ -80,7 +80,7 @@ class Worker:
 
     # -- model set-up -----------------------------------------------------------------------
 
-    def setup(self, cfg_dict: dict, samples: np.ndarray, vocab_size: int) -> dict:
+    def setup(self, cfg_dict: dict, vocab_size: int) -> dict:
         """Build this rank's part of the model + optimizer from the resolved config. Re-callable:
         a reused actor group can train another config without restarting processes."""
         from raymp.config import RunConfig
@@ -98,24 +98,45 @@ class Worker:
         mesh = self._mesh(dims)
         args = model_args(cfg.model, vocab_size)
         if p.pp > 1:
-            self.program = PipelineStep(cfg, args, mesh, self.coords, self.device, samples, dims)
+            self.program = PipelineStep(cfg, args, mesh, self.coords, self.device, dims)
         else:
-            self.program = LocalStep(cfg, args, mesh, self.coords, self.device, samples)
+            self.program = LocalStep(cfg, args, mesh, self.coords, self.device)
         self.engine = self.program.engine
         self.scheduler = build_scheduler(self.engine.optimizer, cfg.optimizer, cfg.train.steps)
         self.step_index = 0
+        self.stream = None
+        self.eval_tokens = []
         info = {"rank": self.rank, "coords": self.coords, "num_params": self.program.num_params}
         if p.pp > 1:
             info["stages"] = self.program.stage_layers
         return info
 
+    # -- data -------------------------------------------------------------------------------
+
+    def start_stream(self, dataset, first_step: int, local_batch: int, prefetch_batches: int) -> None:
+        """First-stage ranks: read this replica's batches from `dataset` (a lazy Ray Dataset;
+        None on the other stages), starting at `first_step`."""
+        from raymp.data.stream import ReplicaStream
+
+        self.step_index = first_step
+        self.stream = None if dataset is None else ReplicaStream(dataset, local_batch, first_step, prefetch_batches)
+
+    def set_eval_data(self, batches: list[np.ndarray]) -> None:
+        """This replica's share of each held-out validation batch (None on stages that take
+        activations instead of tokens; the list's length is the number of batches on every rank)."""
+        self.eval_tokens = batches
+
     # -- the step ---------------------------------------------------------------------------
 
-    def train_step(self, sample_ids: np.ndarray | None) -> dict:
-        """One optimizer step over this replica's share of the global batch (under pipelining,
-        only first-stage ranks are given sample ids)."""
+    def train_step(self, step: int) -> dict:
+        """One optimizer step over this replica's share of global batch `step`; first-stage
+        ranks pull it from their stream, the other stages get activations instead."""
         t0 = time.perf_counter()
-        out = self.program.forward_backward(sample_ids)
+        sample_ids = tokens = None
+        data_wait = 0.0
+        if self.stream is not None:
+            sample_ids, tokens, data_wait = self.stream.next(step)
+        out = self.program.forward_backward(tokens)
         p = self.cfg.parallel
         grad_norm = self.engine.clip_grad_norm(
             self.cfg.optimizer.grad_clip, p.dp * p.tp, self.program.counted_elsewhere
@@ -130,6 +151,8 @@ class Worker:
         return {
             "rank": self.rank,
             **out,
+            "sample_ids": sample_ids,
+            "data_wait_s": data_wait,
             "grad_norm": grad_norm,
             "lr": lr,
             "compute_s": time.perf_counter() - t0,
@@ -137,13 +160,18 @@ class Worker:
             **state,
         }
 
-    def gradients(self, sample_ids: np.ndarray | None) -> dict | None:
+    def evaluate(self) -> float | None:
+        """Mean validation loss over the held-out batches (last stages return it)."""
+        losses = [self.program.evaluate(batch) for batch in self.eval_tokens]
+        return None if not losses or losses[0] is None else sum(losses) / len(losses)
+
+    def gradients(self, tokens: np.ndarray | None) -> dict | None:
         """Forward and backward only, no update: the full gradient of every parameter this rank's
         stages hold, by name (every rank must call; dp/tp rank 0 of each stage returns). For
         tests that pin down a missing or wrong gradient, not just a diverging loss."""
         from torch.distributed.tensor import DTensor
 
-        self.program.forward_backward(sample_ids)
+        self.program.forward_backward(tokens)
         grads = {}
         for module in self.engine.modules:
             for name, param in module.named_parameters():
