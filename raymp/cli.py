@@ -48,6 +48,20 @@ def _parser() -> argparse.ArgumentParser:
     planner.add_argument("--compare", metavar="dp=8,pp=4,tp=2,zero=2",
                          help="also explain one given layout (fits or not, and why)")
 
+    data = sub.add_parser("data", help="prepare a dataset: tokenize and pack text into parquet shards")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    prep = data_sub.add_parser(
+        "prepare", help="read, tokenize (in parallel on Ray Data) and pack a corpus; prints where it went",
+    )
+    prep.add_argument("config", nargs="?", help="a run config: its data section and train.seq_len")
+    prep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    prep.add_argument("--source", help="'kjv', or .jsonl/.txt/.parquet files: a path or URI (s3://...)")
+    prep.add_argument("--tokenizer", help="byte, gpt2, or package.module:factory")
+    prep.add_argument("--seq-len", type=int, help="tokens per sample (+1 for the shifted labels)")
+    prep.add_argument("--cache-dir", help="where the prepared dataset goes (path or URI)")
+    prep.add_argument("--text-field", help="the text column of .jsonl/.parquet files")
+    prep.add_argument("--skip-bad", action="store_true", help="skip and count bad records instead of stopping")
+
     show = sub.add_parser("config", help="validate a config and print it fully resolved")
     show.add_argument("config")
     show.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -64,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "plan":
             return _plan(args)
+        if args.command == "data":
+            return _prepare_data(args)
         cfg = load_config(args.config, args.overrides)
         if args.command == "config":
             print(yaml.safe_dump(resolved_dict(cfg), sort_keys=False), end="")
@@ -86,6 +102,25 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("raymp: stopped (interrupt or SIGTERM); the MLflow run is marked KILLED", file=sys.stderr)
         return 130
+
+
+def _prepare_data(args) -> int:
+    from raymp.config import apply_overrides, config_from_dict
+    from raymp.data.prepare import describe, prepare
+
+    raw = apply_overrides((yaml.safe_load(open(args.config)) or {}) if args.config else {}, args.overrides)
+    cfg = config_from_dict(raw)
+    d = cfg.data
+    source = args.source or d.source
+    root, manifest = prepare(
+        source, tokenizer=args.tokenizer or d.tokenizer, seq_len=args.seq_len or cfg.train.seq_len,
+        cache_dir=args.cache_dir or d.cache_dir, text_field=args.text_field or d.text_field,
+        skip_bad=args.skip_bad or d.on_bad_data == "skip", log=lambda *_: None,
+    )
+    print(describe(manifest))
+    print(f"dataset: {root}")
+    print(f"train on it with: --set data.source={root}  (or keep data.source={source!r}: the cache is found)")
+    return 0
 
 
 def _interrupt(signum, frame):

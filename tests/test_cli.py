@@ -49,3 +49,20 @@ def test_ci_runs_the_readme_test_command():
     blocks = re.findall(r"```bash\n(.*?)```", readme, re.S)
     test_cmd = next(b.strip() for b in blocks if "pytest" in b)
     assert test_cmd in ci, "the README's test command and .ci/run have drifted apart"
+
+
+def test_data_prepare_stops_on_bad_records_or_skips_and_counts_them(tmp_path):
+    rows = [f'{{"text": "line {i} of a small corpus for the prepare command"}}' for i in range(40)]
+    rows.insert(2, '{"text": broken')
+    (tmp_path / "a.jsonl").write_text("\n".join(rows))
+    args = ("data", "prepare", "--source", str(tmp_path / "a.jsonl"), "--seq-len", "32",
+            "--cache-dir", str(tmp_path / "cache"))
+    out = raymp(*args)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "a.jsonl:3: not valid JSON" in out.stderr and "data.on_bad_data=skip" in out.stderr
+    assert "Traceback" not in out.stderr
+    out = raymp(*args, "--skip-bad")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "from 40 documents" in out.stdout and "SKIPPED 1 bad_json" in out.stdout
+    root = re.search(r"^dataset: (\S+)$", out.stdout, re.M).group(1)
+    assert (Path(root) / "manifest.json").is_file() and list(Path(root).glob("shard-*.parquet"))

@@ -33,10 +33,14 @@ def ray_head():
     temp = tempfile.mkdtemp(prefix="rh", dir="/tmp")  # short: Ray's unix socket paths are limited
     port, dash = free_port(), free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": ""}
+    env.pop("PYTHONPATH", None)  # the session's (tests/ on it, for its own Ray) is not the cluster's
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", f"--temp-dir={temp}", f"--port={port}",
          f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--include-dashboard=true",
-         "--num-cpus=4", "--disable-usage-stats"],
+         # Its own agent ports: the test session's Ray (started earlier) holds the defaults, and a
+         # head whose agent cannot bind answers "No available agent to submit job".
+         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+         f"--metrics-export-port={free_port()}", "--num-cpus=4", "--disable-usage-stats"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
     address = f"http://127.0.0.1:{dash}"
@@ -62,6 +66,17 @@ def ray_head():
 def ray_cli(env, *args, timeout=300):
     return subprocess.run([str(BIN / "ray"), *args], env=env, capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
+
+
+def submit(env, *args):
+    """`ray job submit`, retried while the head's job agent is still starting: it can answer
+    `ray job list` before it takes jobs ("No available agent to submit job")."""
+    deadline = time.time() + 90
+    while True:
+        out = ray_cli(env, "job", "submit", *args)
+        if "No available agent" not in out.stdout + out.stderr or time.time() > deadline:
+            return out
+        time.sleep(2)
 
 
 def job_status(env, job_id) -> str:
@@ -91,7 +106,7 @@ def test_submit_follow_stop_and_check_mlflow(ray_head, tmp_path, data_cache):
     out_dir = tmp_path / "runs"
     common = ["--set", f"output_dir={out_dir}", "--set", f"data.cache_dir={data_cache}",
               "--set", "tracking.experiment=job-test"]
-    done = ray_cli(env, "job", "submit", "--submission-id", "raymp-ok", "--working-dir", ".", "--",
+    done = submit(env, "--submission-id", "raymp-ok", "--working-dir", ".", "--",
                    "raymp", "train", "configs/tiny.yaml", "--set", "train.steps=6", "--set", "train.log_every=2",
                    "--set", "optimizer.warmup_steps=1", *common)
     # `ray job submit` follows the logs and returns when the job ends.
@@ -100,7 +115,7 @@ def test_submit_follow_stop_and_check_mlflow(ray_head, tmp_path, data_cache):
     logs = ray_cli(env, "job", "logs", "raymp-ok").stdout
     assert "step     6/6" in logs and "MLflow run" in logs  # progress streamed into the job logs
 
-    long = ray_cli(env, "job", "submit", "--no-wait", "--submission-id", "raymp-stop", "--working-dir",
+    long = submit(env, "--no-wait", "--submission-id", "raymp-stop", "--working-dir",
                    ".", "--", "raymp", "train", "configs/tiny.yaml", "--set", "train.steps=100000",
                    "--set", "train.log_every=1", *common)
     assert long.returncode == 0, long.stderr
