@@ -23,7 +23,7 @@ import ray
 from raymp.config import DataConfig, config_from_dict
 from raymp.data import DataPosition, TrainOrder, load_dataset
 from raymp.data.prepare import prepare
-from raymp.data.stream import ReplicaStream, StreamSpec, replica_dataset
+from raymp.data.stream import ReplicaStream, StreamSpec
 from raymp.runtime.actor_group import ActorGroup
 from raymp.trainer import Trainer
 
@@ -43,9 +43,8 @@ def stream_rate(data_cfg: DataConfig, global_batch: int, seq_len: int, steps: in
     data = load_dataset(data_cfg, seq_len, log=lambda *_: None)
     order = TrainOrder(data.num_samples, data_cfg.val_fraction, 0, global_batch)
     start = DataPosition.at(0, 0, order, 0, data.identity)
-    spec = StreamSpec(data.root, data.num_samples, data_cfg.val_fraction, 0, global_batch, DP, 0, start)
-    stream = ReplicaStream(replica_dataset(spec, steps, data_cfg.stream_cpus), global_batch // DP, 0,
-                           data_cfg.prefetch_batches)
+    spec = StreamSpec(data.root, data.num_samples, data.seq_len, data_cfg.val_fraction, 0, global_batch, DP, 0, start)
+    stream = ReplicaStream(spec, steps, data_cfg.stream_cpus, data_cfg.prefetch_batches)
     t0 = time.perf_counter()
     for step in range(steps):
         stream.next(step)

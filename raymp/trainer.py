@@ -143,7 +143,7 @@ class Trainer:
     def _start_streams(self, start: DataPosition) -> None:
         """One Ray Data stream per first-stage rank (each TP rank of the first stage reads its
         replica's stream), beginning at `start`."""
-        from raymp.data.stream import StreamSpec, replica_dataset
+        from raymp.data.stream import StreamSpec
 
         cfg = self.config
         free = ray.available_resources().get("CPU", 0)
@@ -157,13 +157,12 @@ class Trainer:
         args = []
         for rank in range(self.dims.world_size):
             c = self.dims.coords(rank)
-            dataset = None
+            spec = None
             if c["pp"] == 0 and steps > 0:
-                spec = StreamSpec(self.data.root, self.data.num_samples, cfg.data.val_fraction, cfg.seed,
-                                  cfg.train.global_batch_size, self.dims.dp, c["dp"], start)
-                dataset = replica_dataset(spec, steps, cfg.data.stream_cpus)
-            args.append((dataset, start.step, cfg.train.global_batch_size // self.dims.dp,
-                         cfg.data.prefetch_batches))
+                spec = StreamSpec(self.data.root, self.data.num_samples, self.data.seq_len,
+                                  cfg.data.val_fraction, cfg.seed, cfg.train.global_batch_size, self.dims.dp,
+                                  c["dp"], start)
+            args.append((spec, steps, cfg.data.stream_cpus, cfg.data.prefetch_batches))
         self.group.call_per_rank("start_stream", args)
         self.start = start
         self._next_step = start.step

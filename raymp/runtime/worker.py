@@ -31,6 +31,7 @@ class Worker:
         self.rank = None
         self.engine = None
         self.program = None
+        self.stream = None
         self._meshes = {}
 
     # -- placement and rendezvous ---------------------------------------------------------
@@ -104,6 +105,8 @@ class Worker:
         self.engine = self.program.engine
         self.scheduler = build_scheduler(self.engine.optimizer, cfg.optimizer, cfg.train.steps)
         self.step_index = 0
+        if self.stream is not None:
+            self.stream.close()
         self.stream = None
         self.eval_tokens = []
         info = {"rank": self.rank, "coords": self.coords, "num_params": self.program.num_params}
@@ -113,13 +116,14 @@ class Worker:
 
     # -- data -------------------------------------------------------------------------------
 
-    def start_stream(self, dataset, first_step: int, local_batch: int, prefetch_batches: int) -> None:
-        """First-stage ranks: read this replica's batches from `dataset` (a lazy Ray Dataset;
-        None on the other stages), starting at `first_step`."""
+    def start_stream(self, spec, steps: int, cpus: float, prefetch_batches: int) -> None:
+        """First-stage ranks: read this replica's batches (a StreamSpec; None on the other
+        stages) for `steps` steps from the spec's start position."""
         from raymp.data.stream import ReplicaStream
 
-        self.step_index = first_step
-        self.stream = None if dataset is None else ReplicaStream(dataset, local_batch, first_step, prefetch_batches)
+        if self.stream is not None:
+            self.stream.close()
+        self.stream = None if spec is None else ReplicaStream(spec, steps, cpus, prefetch_batches)
 
     def set_eval_data(self, batches: list[np.ndarray]) -> None:
         """This replica's share of each held-out validation batch (None on stages that take
