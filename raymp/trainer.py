@@ -143,15 +143,19 @@ class Trainer:
     def _start_streams(self, start: DataPosition) -> None:
         """One Ray Data stream per first-stage rank (each TP rank of the first stage reads its
         replica's stream), beginning at `start`."""
-        from raymp.data.stream import StreamSpec
+        from raymp.data.stream import StreamSpec, local_node_if_local_path
 
         cfg = self.config
-        free = ray.available_resources().get("CPU", 0)
+        node = local_node_if_local_path(self.data.root)
+        free = _free_cpus(node)
         if free < cfg.data.stream_cpus:
+            where = "the driver's node (data.cache_dir is a local path there)" if node else "the cluster"
             raise ConfigError(
                 f"the data streams' Ray Data tasks need data.stream_cpus={cfg.data.stream_cpus} free CPU, "
-                f"but the cluster has {free:g} left after placing the actors; add CPUs, or lower "
+                f"but {where} has {free:g} left after placing the actors; add CPUs, lower "
                 "resources.cpus_per_actor or data.stream_cpus"
+                + (", or put data.cache_dir on storage every node reads (s3://, gs://, file:// on a shared "
+                   "mount)" if node else "")
             )
         steps = cfg.train.steps - start.step
         args = []
@@ -161,7 +165,7 @@ class Trainer:
             if c["pp"] == 0 and steps > 0:
                 spec = StreamSpec(self.data.root, self.data.num_samples, self.data.seq_len,
                                   cfg.data.val_fraction, cfg.seed, cfg.train.global_batch_size, self.dims.dp,
-                                  c["dp"], start)
+                                  c["dp"], start, local_node_if_local_path(self.data.root))
             args.append((spec, steps, cfg.data.stream_cpus, cfg.data.prefetch_batches))
         self.group.call_per_rank("start_stream", args)
         self.start = start
@@ -504,3 +508,13 @@ def _default_run_name(cfg: RunConfig) -> str:
     p = cfg.parallel
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     return f"{cfg.name}-dp{p.dp}pp{p.pp}tp{p.tp}z{p.zero}-{stamp}-{uuid.uuid4().hex[:4]}"
+
+
+def _free_cpus(node_id: str | None) -> float:
+    """Free CPUs in the cluster; with a node, no more than that node has at all (a head node
+    started with --num-cpus=0 can never run the stream's tasks)."""
+    free = ray.available_resources().get("CPU", 0)
+    if node_id is None:
+        return free
+    total = next((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["NodeID"] == node_id), 0)
+    return min(free, total)

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from raymp import Trainer
-from raymp.config import config_from_dict
+from raymp.config import ConfigError, config_from_dict
 from raymp.data import DataPosition, TrainOrder
+from raymp.data.stream import local_node_if_local_path, on_node
 from raymp.reference import single_process_val_loss
 
 SEQ = 16
@@ -115,3 +116,19 @@ def test_validation_loss_matches_single_process(tiny_cfg, request, group_name, p
     expected = single_process_val_loss(config_from_dict(cfg), weights)
     assert history[2]["val_loss"] == pytest.approx(expected, rel=1e-5)
     assert torch.isfinite(torch.tensor(history[2]["val_loss"]))
+
+
+def test_stream_without_free_cpus_fails_early_naming_the_field(tiny_cfg, group2):
+    cfg = tiny_cfg(data={"stream_cpus": 1000})
+    with pytest.raises(ConfigError, match=r"need data.stream_cpus=1000.0 free CPU, but the driver's node"):
+        Trainer(cfg, actor_group=group2, progress=False).setup()
+
+
+def test_local_shards_are_read_on_the_driver_node_and_uris_anywhere(ray_local):
+    node = ray_local.get_runtime_context().get_node_id()
+    assert local_node_if_local_path("/data/prepared") == node
+    assert local_node_if_local_path("s3://bucket/prepared") is None
+    assert local_node_if_local_path("file:///mnt/shared/prepared") is None
+    strategy = on_node(node)["scheduling_strategy"]
+    assert strategy.node_id == node and strategy.soft is False
+    assert on_node(None) == {}

@@ -35,6 +35,7 @@ class StreamSpec:
     dp: int
     replica: int
     start: DataPosition  # the stream's first step reads from here
+    node_id: str | None = None  # run the stream's tasks there (the shards are on its local disk)
 
     @property
     def local_batch(self) -> int:
@@ -76,7 +77,27 @@ def replica_dataset(spec: StreamSpec, first: int, steps: int, cpus: float):
     ds = ray.data.from_items([{"id": k} for k in range(first, first + steps)],
                              override_num_blocks=-(-steps // STEPS_PER_TASK))
     return ds.map_batches(_replica_rows, batch_size=STEPS_PER_TASK, fn_kwargs={"spec": spec},
-                          num_cpus=cpus, compute=ray.data.TaskPoolStrategy(size=1))
+                          num_cpus=cpus, compute=ray.data.TaskPoolStrategy(size=1),
+                          **on_node(spec.node_id))
+
+
+def on_node(node_id: str | None) -> dict:
+    """Ray remote args that keep tasks on `node_id` (None: anywhere)."""
+    if node_id is None:
+        return {}
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+
+
+def local_node_if_local_path(root: str) -> str | None:
+    """A plain path is on this (the driver's) node's disk: tasks that read it must run here. A
+    URI (s3://, gs://, file:// on a shared mount, ...) is readable from every node."""
+    if "://" in root:
+        return None
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
 
 
 def ordered_context():
