@@ -165,7 +165,7 @@ class Trainer:
             if c["pp"] == 0 and steps > 0:
                 spec = StreamSpec(self.data.root, self.data.num_samples, self.data.seq_len,
                                   cfg.data.val_fraction, cfg.seed, cfg.train.global_batch_size, self.dims.dp,
-                                  c["dp"], start, local_node_if_local_path(self.data.root))
+                                  c["dp"], start, node)
             args.append((spec, steps, cfg.data.stream_cpus, cfg.data.prefetch_batches))
         self.group.call_per_rank("start_stream", args)
         self.start = start
@@ -197,7 +197,7 @@ class Trainer:
         """Where the run is in its data (steps done, samples consumed, epoch, offset): saved
         with a checkpoint; restore_data_position() continues from it, with any layout."""
         self.setup()
-        consumed = self.start.consumed + (self._next_step - self.start.step) * self.config.train.global_batch_size
+        consumed = self.order.consumed_before(self._next_step, self.start)
         return DataPosition.at(self._next_step, consumed, self.order, self.config.seed, self.data.identity)
 
     def restore_data_position(self, position: DataPosition | dict) -> None:
@@ -471,10 +471,11 @@ class Trainer:
         last = h[-1]
         vals = [m["val_loss"] for m in h if m.get("val_loss") is not None]
         waits = sorted(m["data_wait_fraction"] for m in tail)
+        position = self.data_position()
         lines.append(
             (f"validation loss {vals[-1]:.4f} on {self.eval_batches} held-out batch(es); " if vals else "")
-            + f"data: {self.data.manifest['tokens']:,} tokens, epoch {self.data_position().epoch} "
-            f"offset {self.data_position().offset}; median data wait {waits[len(waits) // 2]:.1%} of step time"
+            + f"data: {self.data.manifest['tokens']:,} tokens, epoch {position.epoch} "
+            f"offset {position.offset}; median data wait {waits[len(waits) // 2]:.1%} of step time"
         )
         lines.append(
             f"model state + activations per rank: measured {last['memory_measured_bytes_max'] / 2**20:.1f} MiB, "

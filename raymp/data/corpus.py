@@ -118,80 +118,75 @@ def parse_file(path: str, raw: bytes, text_field: str, skip_bad: bool) -> Iterat
     """The documents of one file, in order: a .txt file is one document, a .jsonl line or a
     parquet row is one. Bad records are yielded as Skip; with skip_bad, a file with some
     non-UTF-8 lines keeps its good lines, else it is one Skip."""
-
-    def bad(reason: str, where: str, message: str):
-        return Skip(reason, where, message)
-
-    name = path
     if not raw:
-        yield bad("empty_file", name, "file is empty")
+        yield Skip("empty_file", path, "file is empty")
         return
     if path.endswith(".parquet"):
-        yield from _parse_parquet(name, raw, text_field, bad)
+        yield from _parse_parquet(path, raw, text_field)
         return
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = raw[: exc.start].count(b"\n") + 1
         if not skip_bad:
-            yield bad("not_utf8", name, f"not UTF-8 at byte {exc.start} (line {line})")
+            yield Skip("not_utf8", path, f"not UTF-8 at byte {exc.start} (line {line})")
             return
-        yield from _parse_lines_skipping_bad_bytes(name, raw, text_field, bad)
+        yield from _parse_lines_skipping_bad_bytes(path, raw, text_field)
         return
     if path.endswith(".jsonl"):
         for n, line in enumerate(text.splitlines(), 1):
             if line.strip():
-                yield _parse_json_line(f"{name}:{n}", line, text_field, bad)
+                yield _parse_json_line(f"{path}:{n}", line, text_field)
     else:
         yield text
 
 
-def _parse_json_line(where: str, line: str, text_field: str, bad) -> str | Skip:
+def _parse_json_line(where: str, line: str, text_field: str) -> str | Skip:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
-        return bad("bad_json", where, f"not valid JSON ({exc.msg})")
+        return Skip("bad_json", where, f"not valid JSON ({exc.msg})")
     if not isinstance(row, dict) or text_field not in row:
-        return bad("bad_schema", where, f"no {text_field!r} field (set data.text_field)")
+        return Skip("bad_schema", where, f"no {text_field!r} field (set data.text_field)")
     if not isinstance(row[text_field], str):
-        return bad("bad_schema", where, f"field {text_field!r} is not a string")
+        return Skip("bad_schema", where, f"field {text_field!r} is not a string")
     return row[text_field]
 
 
-def _parse_lines_skipping_bad_bytes(name: str, raw: bytes, text_field: str, bad) -> Iterator[str | Skip]:
+def _parse_lines_skipping_bad_bytes(name: str, raw: bytes, text_field: str) -> Iterator[str | Skip]:
     """A file with some non-UTF-8 lines: keep the good lines, skip (and count) the bad ones."""
     good: list[str] = []
     for n, line in enumerate(raw.split(b"\n"), 1):
         try:
             decoded = line.decode("utf-8")
         except UnicodeDecodeError:
-            yield bad("not_utf8", f"{name}:{n}", "not UTF-8")
+            yield Skip("not_utf8", f"{name}:{n}", "not UTF-8")
             continue
         if name.endswith(".jsonl"):
             if decoded.strip():
-                yield _parse_json_line(f"{name}:{n}", decoded, text_field, bad)
+                yield _parse_json_line(f"{name}:{n}", decoded, text_field)
         else:
             good.append(decoded)
     if good:
         yield "\n".join(good)
 
 
-def _parse_parquet(name: str, raw: bytes, text_field: str, bad) -> Iterator[str | Skip]:
+def _parse_parquet(name: str, raw: bytes, text_field: str) -> Iterator[str | Skip]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         table = pq.read_table(io.BytesIO(raw))
     except (pa.ArrowInvalid, OSError) as exc:
-        yield bad("bad_schema", name, f"not a readable parquet file ({exc})")
+        yield Skip("bad_schema", name, f"not a readable parquet file ({exc})")
         return
     if text_field not in table.column_names:
-        yield bad("bad_schema", name,
+        yield Skip("bad_schema", name,
                   f"no column {text_field!r} (columns: {', '.join(table.column_names)}); set data.text_field")
         return
     column = table.column(text_field)
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-        yield bad("bad_schema", name, f"column {text_field!r} is {column.type}, not text")
+        yield Skip("bad_schema", name, f"column {text_field!r} is {column.type}, not text")
         return
     for n, value in enumerate(column.to_pylist()):
-        yield value if value is not None else bad("null_text", f"{name}:row {n}", f"{text_field!r} is null")
+        yield value if value is not None else Skip("null_text", f"{name}:row {n}", f"{text_field!r} is null")

@@ -71,10 +71,14 @@ class TrainOrder:
     def sample_ids(self, consumed: int, count: int) -> np.ndarray:
         return self.train_ids[self.order.take(consumed, count)]
 
+    def consumed_before(self, step: int, start: "DataPosition | None" = None) -> int:
+        """Samples consumed before `step` (counted from `start`, if the run was resumed)."""
+        base_step, base = (start.step, start.consumed) if start else (0, 0)
+        return base + (step - base_step) * self.global_batch
+
     def batch(self, step: int, start: "DataPosition | None" = None) -> np.ndarray:
         """The global batch of `step` (counted from `start`, if the run was resumed)."""
-        base_step, base = (start.step, start.consumed) if start else (0, 0)
-        return self.sample_ids(base + (step - base_step) * self.global_batch, self.global_batch)
+        return self.sample_ids(self.consumed_before(step, start), self.global_batch)
 
 
 @dataclass(frozen=True)

@@ -54,8 +54,7 @@ def _replica_rows(batch: dict, spec: StreamSpec) -> dict:
     steps, ids = [], []
     for k in batch["id"]:
         step = spec.start.step + int(k)
-        consumed = spec.start.consumed + int(k) * spec.global_batch
-        ids.append(replica_slice(order.sample_ids(consumed, spec.global_batch), spec.dp, spec.replica))
+        ids.append(replica_slice(order.batch(step, spec.start), spec.dp, spec.replica))
         steps.append(np.full(spec.local_batch, step, dtype=np.int64))
     ids = np.concatenate(ids)
     return {"step": np.concatenate(steps), "sample_id": ids, "tokens": _packed(spec.root).gather(ids)}
@@ -103,9 +102,9 @@ def local_node_if_local_path(root: str) -> str | None:
 def ordered_context():
     """Ray Data settings raymp needs in every process that builds or runs a dataset: blocks in
     order (a Dataset keeps the context it was created under), and no progress bars of its own."""
-    import ray
-
     import logging
+
+    import ray
 
     # Ray Data logs each execution's start/finish (and that its bars are off) from every actor;
     # raymp reports data wait itself.
@@ -138,9 +137,7 @@ class ReplicaStream:
         self._thread.start()
         # Wait for the first batch now, during set-up: starting the stream (Ray Data's executor
         # and its first task) takes seconds that are not the steady-state data wait.
-        t0 = time.perf_counter()
         self._first = self._take()
-        self.start_s = time.perf_counter() - t0
 
     def _fill(self) -> None:
         try:

@@ -199,6 +199,11 @@ class ActivationMeter:
             del self._refs[key]
 
 
+def autocast_context(device, dtype):
+    """Forward under autocast to `dtype`, or as is when dtype is None."""
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+
+
 class TimedStage(PipelineStage):
     """A PipelineStage that clocks each action, meters saved activations and, when asked, runs
     forward under autocast (bf16 with ZeRO 0/1; FSDP2 casts by itself)."""
@@ -207,13 +212,8 @@ class TimedStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self.clock, self.meter, self.autocast_dtype = clock, meter, autocast_dtype
 
-    def _autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
-
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
-        with self.clock.span(self.stage_index, "F", fwd_chunk_id), self.meter.hooks(), self._autocast():
+        with self.clock.span(self.stage_index, "F", fwd_chunk_id), self.meter.hooks(), autocast_context(self.device, self.autocast_dtype):
             return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):

@@ -4,7 +4,6 @@ pipeline stages driven by a torch.distributed.pipelining schedule."""
 
 from __future__ import annotations
 
-import contextlib
 
 import numpy as np
 import torch
@@ -13,9 +12,14 @@ import torch.distributed as dist
 from raymp.loss import lm_loss
 from raymp.models import build_model
 from raymp.parallel.checkpointing import apply_activation_checkpointing
-from raymp.parallel.pipeline import ActivationMeter
+from raymp.parallel.pipeline import ActivationMeter, autocast_context
 from raymp.parallel.tensor import apply_tensor_parallel, loss_context
 from raymp.parallel.zero import apply_data_parallel, local_tensor
+
+
+def _autocast_dtype(cfg):
+    """bf16 under ZeRO 0/1 runs through autocast (fp32 master weights); FSDP2 casts itself."""
+    return torch.bfloat16 if cfg.precision == "bf16" and cfg.parallel.zero < 2 else None
 
 
 def _block_names(module) -> list[str]:
@@ -50,25 +54,23 @@ class LocalStep:
         model = build_model(args, cfg.seed, device)
         self.num_params = model.num_params()
         self.engine = _parallelize([model], cfg, mesh, device)
-        # Under ZeRO 0/1 bf16 runs through autocast (fp32 master weights); FSDP2 casts itself.
-        self._autocast = cfg.precision == "bf16" and cfg.parallel.zero < 2
+        self._autocast_dtype = _autocast_dtype(cfg)
         self.loss_meter = LossMeter()
         self.meter = ActivationMeter()  # saved activations, loss included
 
-    def _autocast_ctx(self):
-        if self._autocast:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+    def _micro_batches(self, tokens: np.ndarray) -> list[torch.Tensor]:
+        """tokens [local batch, seq_len + 1] as int64 micro-batches on this rank's device."""
+        tokens = torch.from_numpy(np.asarray(tokens).astype(np.int64)).to(self.device)
+        return list(tokens.split(self.cfg.parallel.micro_batch_size))
 
     def forward_backward(self, tokens: np.ndarray) -> dict:
         """tokens: this replica's samples of the step, [local batch, seq_len + 1]."""
-        micro = np.asarray(tokens).reshape(-1, self.cfg.parallel.micro_batch_size, tokens.shape[-1])
+        micro = self._micro_batches(tokens)
         n = len(micro)
         loss_sum = torch.zeros((), device=self.device)
-        for i, chunk in enumerate(micro):
-            batch = torch.from_numpy(chunk.astype(np.int64)).to(self.device)
+        for i, batch in enumerate(micro):
             with self.engine.no_sync(i == n - 1), loss_context(self.cfg.parallel.tp):
-                with self._autocast_ctx(), self.meter.hooks():
+                with autocast_context(self.device, self._autocast_dtype), self.meter.hooks():
                     logits = self.engine.model(batch[:, :-1])
                     loss = self.loss_meter.measure(lm_loss, logits, batch[:, 1:])
                 del logits
@@ -81,11 +83,10 @@ class LocalStep:
     @torch.no_grad()
     def evaluate(self, tokens: np.ndarray) -> float:
         """Mean loss over `tokens` (forward only, same micro-batches as training)."""
-        micro = np.asarray(tokens).reshape(-1, self.cfg.parallel.micro_batch_size, tokens.shape[-1])
+        micro = self._micro_batches(tokens)
         total = 0.0
-        for chunk in micro:
-            batch = torch.from_numpy(chunk.astype(np.int64)).to(self.device)
-            with loss_context(self.cfg.parallel.tp), self._autocast_ctx():
+        for batch in micro:
+            with loss_context(self.cfg.parallel.tp), autocast_context(self.device, self._autocast_dtype):
                 total += float(local_tensor(lm_loss(self.engine.model(batch[:, :-1]), batch[:, 1:])))
         return total / len(micro)
 
@@ -164,10 +165,10 @@ class PipelineStep:
         self.engine = _parallelize(modules, cfg, mesh, device, zero_bubble=p.schedule in ZERO_BUBBLE)
         self.clock, self.meter = StepClock(), ActivationMeter()
         self.loss_meter = LossMeter()
-        autocast = torch.bfloat16 if cfg.precision == "bf16" and p.zero < 2 else None
+        self._autocast_dtype = _autocast_dtype(cfg)
         stages = [
             TimedStage(model, s, num_stages, device, group=self.pp_group, clock=self.clock,
-                       meter=self.meter, autocast_dtype=autocast)
+                       meter=self.meter, autocast_dtype=self._autocast_dtype)
             for s, model in zip(self.stage_ids, self.engine.models)
         ]
         self.micro_batches = cfg.train.global_batch_size // (p.dp * p.micro_batch_size)
@@ -230,8 +231,6 @@ class PipelineStep:
         p = self.cfg.parallel
         inputs, labels, send = self._inputs_and_labels(tokens)
         n = self.micro_batches
-        autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
-                    if self.cfg.precision == "bf16" and p.zero < 2 else contextlib.nullcontext())
         owner = [stage_to_pp_rank(s, p.pp, p.schedule) for s in range(p.num_stages)]
         modules = dict(zip(self.stage_ids, self.engine.models))
         losses = []
@@ -242,9 +241,10 @@ class PipelineStep:
                     continue
                 if s > 0 and owner[s - 1] != self.pp_rank:
                     x = self._recv_activation(owner[s - 1])
-                with autocast, loss_context(p.tp if s == p.num_stages - 1 else 1):
+                last = s == p.num_stages - 1
+                with autocast_context(self.device, self._autocast_dtype), loss_context(p.tp if last else 1):
                     x = modules[s](x)
-                    if s == p.num_stages - 1:
+                    if last:
                         losses.append(float(local_tensor(lm_loss(x, labels.chunk(n)[mb]))))
                 if s < p.num_stages - 1 and owner[s + 1] != self.pp_rank:
                     self._send_activation(x, owner[s + 1])
