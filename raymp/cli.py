@@ -62,6 +62,15 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--text-field", help="the text column of .jsonl/.parquet files")
     prep.add_argument("--skip-bad", action="store_true", help="skip and count bad records instead of stopping")
 
+    ckpt = sub.add_parser("checkpoint", help="list a run's checkpoints, or export one as a single file")
+    ckpt_sub = ckpt.add_subparsers(dest="checkpoint_command", required=True)
+    listing = ckpt_sub.add_parser("list", help="committed (and unfinished) checkpoints under a directory")
+    listing.add_argument("dir", help="checkpoint.dir of a run: a path or URI")
+    exp = ckpt_sub.add_parser(
+        "export", help="consolidate a checkpoint's sharded weights into one .safetensors or .pt file")
+    exp.add_argument("checkpoint", help="a committed checkpoint: <dir>/step-NNNNNNNN, or <dir> for its latest")
+    exp.add_argument("--out", required=True, help="output file: .safetensors, or .pt/.pth for torch.save")
+
     show = sub.add_parser("config", help="validate a config and print it fully resolved")
     show.add_argument("config")
     show.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -69,10 +78,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from raymp.checkpoint.store import CheckpointError
     from raymp.config import ConfigError, load_config, resolved_dict
     from raymp.data import DataError
-    from raymp.runtime.actor_group import PlacementError
-    from raymp.trainer import WorkerLostError
+    from raymp.elastic import ElasticError
+    from raymp.runtime.actor_group import PlacementError, WorkerLostError
 
     args = _parser().parse_args(argv)
     try:
@@ -80,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             return _plan(args)
         if args.command == "data":
             return _prepare_data(args)
+        if args.command == "checkpoint":
+            return _checkpoint(args)
         cfg = load_config(args.config, args.overrides)
         if args.command == "config":
             print(yaml.safe_dump(resolved_dict(cfg), sort_keys=False), end="")
@@ -96,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, _interrupt)
             trainer.fit()
         return 0
-    except (ConfigError, DataError, PlacementError, WorkerLostError) as exc:
+    except (ConfigError, DataError, PlacementError, WorkerLostError, ElasticError, CheckpointError) as exc:
         print(f"raymp: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -120,6 +132,36 @@ def _prepare_data(args) -> int:
     print(describe(manifest))
     print(f"dataset: {root}")
     print(f"train on it with: --set data.source={root}  (or keep data.source={source!r}: the cache is found)")
+    return 0
+
+
+def _checkpoint(args) -> int:
+    from raymp.checkpoint.store import CheckpointError, CheckpointStore, MARKER, filesystem
+
+    if args.checkpoint_command == "list":
+        store = CheckpointStore(args.dir)
+        committed = store.committed()
+        for c in committed:
+            layout, pos = c.meta["layout"], c.data_position
+            print(f"{c.path}  step {c.step}  dp={layout['dp']} pp={layout['pp']} tp={layout['tp']} "
+                  f"zero={layout['zero']}  epoch {pos['epoch']} offset {pos['offset']}")
+        for path in store.uncommitted():
+            print(f"{path}  unfinished (no {MARKER}): never loaded, deleted by the next save's prune")
+        if not committed:
+            print(f"no committed checkpoint under {args.dir}")
+        return 0
+    from raymp.checkpoint.export import export
+
+    path = args.checkpoint
+    fs, inner = filesystem(path)
+    if not fs.exists(f"{inner}/{MARKER}"):  # a run's checkpoint dir: take its latest
+        latest = CheckpointStore(path).latest()
+        if latest is None:
+            raise CheckpointError(f"{path} is neither a committed checkpoint nor a directory holding one")
+        path = latest.path
+    info = export(path, args.out)
+    print(f"exported step {info['step']} of {path}: {info['tensors']} tensors, "
+          f"{info['parameters'] / 1e6:.2f}M parameters, {info['bytes'] / 2**20:.1f} MiB -> {info['path']}")
     return 0
 
 

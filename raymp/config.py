@@ -194,6 +194,32 @@ class ResourcesConfig(_Strict):
     collective_timeout_s: float = Field(300, gt=0, description="torch process-group timeout")
 
 
+class CheckpointConfig(_Strict):
+    """Sharded checkpoints (torch.distributed.checkpoint): every rank writes its own shards."""
+
+    dir: str | None = Field(None, description="path or URI; None: <output_dir>/<name>/checkpoints")
+    every: int = Field(0, ge=0, description="steps between checkpoints (and one at the end); 0: none")
+    keep_last: int = Field(2, ge=1, description="committed checkpoints kept; older ones are deleted")
+    async_save: bool = Field(True, description="write in the background; the next steps do not wait")
+    resume: str = Field(
+        "auto", description="'auto': continue from the latest checkpoint in dir if there is one; "
+        "'never': start fresh (error if dir holds checkpoints); or a checkpoint's path",
+    )
+
+
+class ElasticConfig(_Strict):
+    """What the driver does when an actor or node is lost mid-run."""
+
+    enabled: bool = Field(True, description="restart on fewer devices instead of failing the run")
+    max_restarts: int = Field(3, ge=0, description="failures tolerated before the run gives up")
+    wait_for_resources_s: float = Field(
+        30, ge=0, description="how long to wait for the lost devices to come back before shrinking dp")
+    grow_back: bool = Field(True, description="return to the configured dp at a checkpoint once devices return")
+    step_timeout_s: float | None = Field(
+        None, gt=0, description="a step taking longer counts as a failure (a hung rank); None: no limit")
+    poll_s: float = Field(1.0, gt=0, description="how often to look for resources while waiting")
+
+
 class ClusterConfig(_Strict):
     """The machines a plan is made for (`raymp plan`, `parallel: auto`)."""
 
@@ -219,6 +245,8 @@ class RunConfig(_Strict):
     data: DataConfig = DataConfig()
     tracking: TrackingConfig = TrackingConfig()
     resources: ResourcesConfig = ResourcesConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    elastic: ElasticConfig = ElasticConfig()
     cluster: ClusterConfig | None = None
 
     @model_validator(mode="after")

@@ -20,7 +20,10 @@ def default_tracking_uri(output_dir: str) -> str:
 
 
 class RunTracker:
-    def __init__(self, cfg: RunConfig, run_name: str, tags: dict[str, str]):
+    """One MLflow run. With `resume_run_id` (a checkpoint's run), that run goes on: a job
+    resumed from a checkpoint adds to the same curves instead of starting a second run."""
+
+    def __init__(self, cfg: RunConfig, run_name: str, tags: dict[str, str], resume_run_id: str | None = None):
         from mlflow.tracking import MlflowClient
 
         self.uri = cfg.tracking.tracking_uri or default_tracking_uri(cfg.output_dir)
@@ -39,13 +42,28 @@ class RunTracker:
             self.experiment_id = self.client.create_experiment(
                 cfg.tracking.experiment, artifact_location=location
             )
-        run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
-        self.run_id = run.info.run_id
         self.flush_every = cfg.tracking.flush_every
         self._buffer: list = []
         self.time_in_mlflow_s = 0.0
         self.finished = False
+        self._events = 0
+        self.resumed = resume_run_id is not None and self._resumable(resume_run_id)
+        if self.resumed:
+            self.run_id = resume_run_id
+            self.client.update_run(resume_run_id, status="RUNNING")
+            self.set_tags(tags)  # params are immutable in MLflow; the layout now is in the tags
+            return
+        run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
+        self.run_id = run.info.run_id
         self.log_params(flatten(resolved_dict(cfg)))
+
+    def _resumable(self, run_id: str) -> bool:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self.client.get_run(run_id).info.experiment_id == self.experiment_id
+        except MlflowException:  # another store, or the run was deleted
+            return False
 
     def _timed(self, fn, *args, **kwargs):
         t0 = time.perf_counter()
@@ -82,6 +100,21 @@ class RunTracker:
 
     def set_tag(self, key: str, value: str) -> None:
         self._timed(self.client.set_tag, self.run_id, key, value)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        self._timed(self.client.log_batch, self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_event(self, name: str, event: dict, step: int) -> None:
+        """An event of the run (a restart, a resume) as events/<name>.json, and counted in the
+        `events` tag so the runs table shows which runs had any."""
+        import json
+
+        self.flush()
+        self.log_text(json.dumps({"step": step, **event}, indent=1, default=str), f"events/{name}.json")
+        self._events += 1
+        self.set_tag("raymp.events", str(self._events))
 
     def finish(self, status: str = "FINISHED") -> None:
         """End the run once (FINISHED, FAILED or KILLED); later calls do nothing."""

@@ -19,19 +19,15 @@ import yaml
 
 from raymp.config import CPU_OFFLOAD_ON_CPU, ConfigError, RunConfig, config_from_dict, load_config, resolved_dict
 from raymp.data import DataPosition, TrainOrder, load_dataset, replica_slice
+from raymp.data.stream import local_node_if_local_path
 from raymp.models import count_parameters, model_args
 from raymp.parallel.mesh import ParallelDims
 from raymp.progress import StepProgress
-from raymp.runtime.actor_group import ActorGroup
+from raymp.checkpoint.coordinator import CheckpointCoordinator
+from raymp.checkpoint.store import Checkpoint, CheckpointStore, read_marker
+from raymp.elastic import ElasticError, capacity, largest_valid_dp, wait_for_replicas, with_dp
+from raymp.runtime.actor_group import ActorGroup, PlacementError, WorkerLostError
 from raymp.runtime.cluster import connect, resolve_device
-
-
-class WorkerLostError(RuntimeError):
-    """An actor (or its node) died mid-run."""
-
-    def __init__(self, message: str, step: int):
-        super().__init__(message)
-        self.step = step
 
 
 def as_config(config: RunConfig | str | Path | dict, overrides: list[str] | None = None) -> RunConfig:
@@ -60,6 +56,8 @@ class Trainer:
         self._next_step = 0
         self.start = None  # DataPosition the streams started from
         self._resume_position = data_position
+        self.failures: list[dict] = []  # every lost rank, in order
+        self.restarts: list[dict] = []  # every restart (after a failure, or growing back)
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -68,19 +66,40 @@ class Trainer:
             return self
         cfg = self.config
         p = cfg.parallel
-        self.dims = ParallelDims(p.dp, p.pp, p.tp)
+        world = ParallelDims(p.dp, p.pp, p.tp).world_size
         # One CPU beyond the actors' for the Ray Data tasks that prepare and stream the data.
-        connect(cfg.resources.address, self.dims.world_size * cfg.resources.cpus_per_actor + 1)
-        log = print if self.progress_enabled else (lambda *_: None)
-        self.data = load_dataset(cfg.data, cfg.train.seq_len, log=log)
+        connect(cfg.resources.address, world * cfg.resources.cpus_per_actor + 1)
+        self.data = load_dataset(cfg.data, cfg.train.seq_len, log=self._log)
         self._check_vocab(cfg)
         self.order = TrainOrder(self.data.num_samples, cfg.data.val_fraction, cfg.seed,
                                 cfg.train.global_batch_size)
-        self.start = self._checked_position(self._resume_position) if self._resume_position else \
-            DataPosition.at(0, 0, self.order, cfg.seed, self.data.identity)
-        self.device = resolve_device(cfg.resources.device, self.dims.world_size)
+        self.device = resolve_device(cfg.resources.device, world)
         if self.device == "cpu" and cfg.optimizer.cpu_offload:
             raise ConfigError(CPU_OFFLOAD_ON_CPU + " (resources.device=auto found no GPUs)")
+        self.target_dp = p.dp
+        resume = self._checkpoint_to_resume()
+        if resume is not None:
+            if self._resume_position is not None:
+                raise ValueError("give a data_position or a checkpoint to resume from, not both "
+                                 "(set checkpoint.resume=never to use the data position)")
+            self._log(f"resuming from {resume.path} (step {resume.step}, saved with "
+                      f"{_layout_text(resume.meta['layout'])})")
+        self.resumed_from = resume
+        self._launch(resume, self._resume_position)
+        self.initial_position = self.start
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(resolved_dict(self.config), sort_keys=False))
+        if cfg.tracking.enabled:
+            self._start_tracking(resume)
+        self._ready = True
+        return self
+
+    def _launch(self, checkpoint: Checkpoint | None, position: DataPosition | dict | None = None) -> None:
+        """Actors for self.config's layout, set up, restored from `checkpoint` (saved under any
+        layout) or at `position`, streams started. Run at set-up and again after each restart."""
+        cfg = self.config
+        p = cfg.parallel
+        self.dims = ParallelDims(p.dp, p.pp, p.tp)
         if self._shared_group is not None:
             if self._shared_group.world_size != self.dims.world_size:
                 raise ValueError(
@@ -103,23 +122,102 @@ class Trainer:
             self.config = cfg = config_from_dict(resolved_dict(cfg), [f"parallel.stage_layers={split}"])
         self._estimate_memory(cfg)
         infos = self.group.call("setup", resolved_dict(cfg), self.data.vocab_size)
-        self._start_streams(self.start)
+        self.checkpoints = self._checkpoint_coordinator()
+        if checkpoint is not None:
+            self.group.call("load_checkpoint", checkpoint.path)
+            position = checkpoint.data_position
+        start = self._checked_position(position) if position is not None else \
+            DataPosition.at(0, 0, self.order, cfg.seed, self.data.identity)
+        self._start_streams(start)
         self._send_eval_data()
         self.num_params = count_parameters(model_args(cfg.model, self.data.vocab_size))
         self._stages_by_rank = [info.get("stages", {}) for info in infos]
         if self.dims.pp > 1:
             stages = {s: layers for per_rank in self._stages_by_rank for s, layers in per_rank.items()}
             self.stage_layers = [stages[s] for s in sorted(stages)]
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(resolved_dict(cfg), sort_keys=False))
-        if cfg.tracking.enabled:
-            from raymp.tracking import RunTracker
 
-            self.tracker = RunTracker(cfg, self.run_name, self._tags())
-            self.tracker.log_text(yaml.safe_dump(resolved_dict(cfg), sort_keys=False), "config.yaml")
-            self.tracker.log_params(self._data_params())
-        self._ready = True
-        return self
+    def _start_tracking(self, resume: Checkpoint | None) -> None:
+        from raymp.tracking import RunTracker
+
+        cfg = self.config
+        previous = (resume.meta.get("mlflow") or {}) if resume is not None else {}
+        self.tracker = RunTracker(cfg, self.run_name, self._tags(), resume_run_id=previous.get("run_id"))
+        if self.tracker.resumed:
+            self.tracker.log_event("resume", {"step": resume.step, "checkpoint": resume.path,
+                                              "layout": _layout_of(cfg)}, resume.step)
+            return
+        self.tracker.log_text(yaml.safe_dump(resolved_dict(cfg), sort_keys=False), "config.yaml")
+        self.tracker.log_params(self._data_params())
+
+    def _log(self, *args) -> None:
+        if self.progress_enabled:
+            print(*args, flush=True)
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def _checkpoint_root(self) -> str:
+        return self.config.checkpoint.dir or str(self.run_dir / "checkpoints")
+
+    def _checkpoint_coordinator(self) -> CheckpointCoordinator:
+        c = self.config.checkpoint
+        return CheckpointCoordinator(CheckpointStore(self._checkpoint_root(), c.keep_last), c.every,
+                                     c.async_save, self._log)
+
+    def _checkpoint_to_resume(self) -> Checkpoint | None:
+        c = self.config.checkpoint
+        if c.resume not in ("auto", "never"):
+            return read_marker(c.resume)
+        latest = CheckpointStore(self._checkpoint_root(), c.keep_last).latest()
+        if latest is not None and c.resume == "never":
+            raise ConfigError(
+                f"checkpoint.dir {self._checkpoint_root()} already holds checkpoints (latest: step "
+                f"{latest.step}) and checkpoint.resume is 'never'; set checkpoint.resume=auto to "
+                "continue that run, or choose another checkpoint.dir")
+        return latest
+
+    def _checkpoint_meta(self) -> dict:
+        import raymp
+
+        meta = {
+            "data_position": self.data_position().to_dict(),
+            "layout": _layout_of(self.config),
+            "run_name": self.run_name,
+            "config": resolved_dict(self.config),
+            "raymp_version": raymp.__version__,
+        }
+        if self.tracker is not None:
+            meta["mlflow"] = {"run_id": self.tracker.run_id, "tracking_uri": self.tracker.uri}
+        return meta
+
+    def save_checkpoint(self) -> Checkpoint:
+        """Write a checkpoint of the state after the steps done so far, and wait until it is
+        committed (fit() saves every checkpoint.every steps by itself)."""
+        self.setup()
+        self.checkpoints.start(self.group, self.global_step, self._checkpoint_meta())
+        checkpoint = self.checkpoints.finish(self.group)
+        if checkpoint is None:
+            raise RuntimeError(f"the checkpoint of step {self.global_step} was not committed: "
+                               f"{self.checkpoints.failed[-1][1]}")
+        return checkpoint
+
+    def load_checkpoint(self, checkpoint: str | Checkpoint) -> None:
+        """Continue from a committed checkpoint (saved under any layout): weights, optimizer
+        state, LR schedule and data position."""
+        self.setup()
+        checkpoint = read_marker(checkpoint) if isinstance(checkpoint, str) else checkpoint
+        self.group.call("load_checkpoint", checkpoint.path)
+        self._start_streams(self._checked_position(checkpoint.data_position))
+        self.history = [m for m in self.history if m["step"] < self.global_step]
+
+    def _checkpoint_after_step(self, per_rank: list[dict], metrics: dict) -> None:
+        committed = self.checkpoints.collect([r.pop("checkpoint", None) for r in per_rank])
+        if committed is not None:
+            metrics["checkpoint_committed"] = committed.step
+        if self.checkpoints.due(self.global_step, self.config.train.steps):
+            cost = self.checkpoints.start(self.group, self.global_step, self._checkpoint_meta())
+            metrics["checkpoint_blocked_s"] = cost["blocked_s"]
+            if self._can_grow():
+                self._grow(self.checkpoints.finish(self.group))
 
     # -- data -------------------------------------------------------------------------------
 
@@ -143,7 +241,7 @@ class Trainer:
     def _start_streams(self, start: DataPosition) -> None:
         """One Ray Data stream per first-stage rank (each TP rank of the first stage reads its
         replica's stream), beginning at `start`."""
-        from raymp.data.stream import StreamSpec, local_node_if_local_path
+        from raymp.data.stream import StreamSpec
 
         cfg = self.config
         node = local_node_if_local_path(self.data.root)
@@ -270,11 +368,15 @@ class Trainer:
         step = self.global_step
         if step >= cfg.train.steps:
             raise RuntimeError(f"the run is complete: train.steps={cfg.train.steps} steps done")
-        t0 = time.perf_counter()
         try:
-            per_rank = self.group.call("train_step", step)
-        except ray.exceptions.RayActorError as exc:
-            raise WorkerLostError(self._describe_loss(exc), step) from exc
+            return self._step(step)
+        except WorkerLostError as lost:
+            raise WorkerLostError(f"step {step}: {lost}", lost.rank, lost.kind, step) from lost
+
+    def _step(self, step: int) -> dict:
+        cfg = self.config
+        t0 = time.perf_counter()
+        per_rank = self.group.call("train_step", step, timeout_s=cfg.elastic.step_timeout_s)
         step_time = time.perf_counter() - t0
         self._next_step += 1
         readers = [per_rank[r] for r in self._first_stage_ranks()]
@@ -287,6 +389,8 @@ class Trainer:
         losses = [r["loss"] for r in per_rank if r["loss"] is not None]  # last stages only
         metrics = {
             "step": step,
+            "finished_at": time.time(),
+            "dp": self.dims.dp,
             "loss": sum(losses) / len(losses),
             "grad_norm": per_rank[0]["grad_norm"],
             "lr": per_rank[0]["lr"],
@@ -310,9 +414,10 @@ class Trainer:
         if self.eval_batches and ((t.eval_every and (step + 1) % t.eval_every == 0) or step + 1 == t.steps):
             metrics["val_loss"] = self.evaluate()
         self.history.append(metrics)
+        self._checkpoint_after_step(per_rank, metrics)
         if self.tracker is not None:
             keys = ("loss", "val_loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "data_wait_s",
-                    "data_wait_fraction", "bubble_fraction", "bubble_fraction_theory")
+                    "data_wait_fraction", "bubble_fraction", "bubble_fraction_theory", "checkpoint_blocked_s")
             logged = {k: metrics[k] for k in keys if metrics.get(k) is not None}
             logged["peak_mem_mb_max"] = metrics["peak_mem_bytes_max"] / 2**20
             logged["memory_measured_mb_max"] = metrics["memory_measured_bytes_max"] / 2**20
@@ -365,13 +470,6 @@ class Trainer:
         )
         return write_timeline(self.last_pipeline_events, directory or self.run_dir, title)
 
-    def _describe_loss(self, exc) -> str:
-        actor_id = getattr(exc, "actor_id", None)
-        rank = next((r for r, w in enumerate(self.group.workers) if w._actor_id.hex() == actor_id), None)
-        where = f"rank {rank} on node {self.group.nodes[rank]['node_ip']}" if rank is not None else "an actor"
-        return (f"{where} died during step {self.global_step}; the run stopped (elastic restart is "
-                f"not implemented yet). Cause: {str(exc).splitlines()[0]}")
-
     def fit(self, steps: int | None = None) -> list[dict]:
         """Train to `train.steps` (or `steps` more steps). Returns the per-step metrics."""
         self.setup()
@@ -382,10 +480,15 @@ class Trainer:
         status = "FAILED"
         try:
             while self.global_step < target:
-                bar.update(self.step())
+                try:
+                    bar.update(self.step())
+                except WorkerLostError as lost:
+                    self._recover(lost, bar)
+            self._finish_checkpoint()
             status = "FINISHED"
         except KeyboardInterrupt:
             status = "KILLED"
+            self._finish_checkpoint(best_effort=True)  # `ray job stop`: keep the save in flight
             raise
         finally:
             bar.close()
@@ -396,6 +499,115 @@ class Trainer:
                 self.tracker.finish(status)
         bar.print(self.summary())
         return self.history
+
+    def _finish_checkpoint(self, best_effort: bool = False) -> None:
+        if self.group is None or self.checkpoints.pending is None:
+            return
+        try:
+            self.checkpoints.finish(self.group)
+        except Exception:
+            if not best_effort:
+                raise
+
+    # -- elastic restarts -----------------------------------------------------------------
+
+    def _recover(self, lost: WorkerLostError, bar) -> None:
+        """A rank is lost: tear the group down, re-plan for what is left (same pp x tp, dp as
+        fits, global batch kept), restore the last committed checkpoint, and go on."""
+        el = self.config.elastic
+        if not el.enabled or self._shared_group is not None:
+            why = ("elastic.enabled is false" if not el.enabled else
+                   "the actor group was passed in (Trainer(actor_group=...)), so the driver cannot replace it")
+            raise WorkerLostError(f"{lost}; the run stopped ({why})", lost.rank, lost.kind, lost.step) from lost
+        detected = time.time()
+        while True:
+            self.failures.append({"step": lost.step, "kind": lost.kind, "message": str(lost), "at": time.time()})
+            if len(self.failures) > el.max_restarts:
+                raise ElasticError(
+                    f"giving up after {len(self.failures)} failures (elastic.max_restarts={el.max_restarts}): "
+                    + "; ".join(f["message"] for f in self.failures)
+                    + ". Resume later from the last checkpoint with checkpoint.resume=auto") from lost
+            bar.print(f"elastic: {lost}; restarting ({len(self.failures)}/{el.max_restarts})")
+            try:
+                event = self._restart("failure", lost)
+                break
+            except (WorkerLostError, PlacementError) as again:
+                lost = WorkerLostError(f"while restarting: {again}", getattr(again, "rank", None),
+                                       getattr(again, "kind", "placement"), lost.step)
+        event["detected_at"] = detected
+        self._record_restart(event, bar)
+
+    def _restart(self, reason: str, lost: WorkerLostError | None = None,
+                 checkpoint: Checkpoint | None = None) -> dict:
+        t0 = time.perf_counter()
+        before = _layout_of(self.config)
+        abandoned, salvaged = self.checkpoints.abandon() if lost is not None else (None, None)
+        self._teardown_group()
+        if checkpoint is None:
+            checkpoint = self.checkpoints.store.latest()
+        t_down = time.perf_counter()
+        if reason == "grow":
+            dp, waited = self._grow_target, 0.0
+        else:
+            node = local_node_if_local_path(self.data.root)
+            dp, waited, _ = wait_for_replicas(self.config, self.target_dp, self.device, node, self._log)
+        self.config = with_dp(self.config, dp)
+        t_plan = time.perf_counter()
+        if checkpoint is None:
+            self._launch(None, self.initial_position)
+        else:
+            self._launch(checkpoint)
+        t_up = time.perf_counter()
+        self.history = [m for m in self.history if m["step"] < self.global_step]
+        return {
+            "reason": reason, "failed_step": lost.step if lost else None, "kind": lost.kind if lost else None,
+            "message": str(lost) if lost else None, "checkpoint_in_flight": abandoned,
+            "checkpoint_in_flight_committed": salvaged is not None,
+            "resumed_step": self.global_step, "checkpoint": checkpoint.path if checkpoint else None,
+            "layout_before": before, "layout_after": _layout_of(self.config),
+            "teardown_s": t_down - t0, "wait_for_resources_s": waited, "plan_s": t_plan - t_down - waited,
+            "launch_and_restore_s": t_up - t_plan, "restart_s": t_up - t0,
+        }
+
+    def _record_restart(self, event: dict, bar) -> None:
+        self.restarts.append(event)
+        steps_lost = (event["failed_step"] - event["resumed_step"]) if event["failed_step"] is not None else 0
+        bar.print(
+            f"elastic: {event['reason']} restart {len(self.restarts)}: "
+            f"{_layout_text(event['layout_before'])} -> {_layout_text(event['layout_after'])}, resumed at step "
+            f"{event['resumed_step']} ({event['checkpoint'] or 'no checkpoint: from the start'}), "
+            f"{steps_lost} step(s) to redo, {event['restart_s']:.1f}s to restart")
+        if self.tracker is not None:
+            self.tracker.log_event(f"restart-{len(self.restarts)}", event, event["resumed_step"])
+            self.tracker.set_tags({"raymp.layout": _layout_text(event["layout_after"], short=True),
+                                   "raymp.dp": str(self.config.parallel.dp),
+                                   "raymp.restarts": str(len(self.restarts))})
+            self.tracker.log_metrics(event["resumed_step"], {
+                "elastic_restarts": len(self.restarts), "elastic_dp": self.config.parallel.dp,
+                "elastic_restart_s": event["restart_s"]})
+
+    def _can_grow(self) -> bool:
+        """Below the configured dp, a checkpoint is the moment to grow back if devices returned."""
+        cfg = self.config
+        if (self._shared_group is not None or not cfg.elastic.enabled or not cfg.elastic.grow_back
+                or cfg.parallel.dp >= self.target_dp):
+            return False
+        node = local_node_if_local_path(self.data.root)
+        cap = capacity(cfg, self.device, node, cfg.data.stream_cpus)
+        dp = largest_valid_dp(cfg, min(cap.replicas, self.target_dp))
+        self._grow_target = dp
+        return dp is not None and dp > cfg.parallel.dp
+
+    def _grow(self, checkpoint: Checkpoint | None) -> None:
+        if checkpoint is None:  # the save failed: grow at the next one
+            return
+        bar = StepProgress(self.config.train.steps, self.config.train.log_every, self.progress_enabled)
+        self._record_restart(self._restart("grow", checkpoint=checkpoint), bar)
+
+    def _teardown_group(self) -> None:
+        if self.group is not None and self.group is not self._shared_group:
+            self.group.shutdown()
+        self.group = None
 
     def _save_timeline(self, bar) -> None:
         paths = self.timeline()
@@ -491,18 +703,31 @@ class Trainer:
     # -- tear-down --------------------------------------------------------------------------
 
     def close(self) -> None:
-        if self.tracker is not None:
-            self.tracker.finish("FINISHED")
-        if self.group is not None and self.group is not self._shared_group:
-            self.group.shutdown()
-        self.group = None
-        self._ready = False
+        try:
+            if self._ready:
+                self._finish_checkpoint()
+        finally:
+            if self.tracker is not None:
+                self.tracker.finish("FINISHED")
+            self._teardown_group()
+            self._ready = False
 
     def __enter__(self) -> "Trainer":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _layout_of(cfg: RunConfig) -> dict:
+    p = cfg.parallel
+    return {"dp": p.dp, "pp": p.pp, "tp": p.tp, "zero": p.zero, "world_size": p.dp * p.pp * p.tp}
+
+
+def _layout_text(layout: dict, short: bool = False) -> str:
+    if short:
+        return f"dp{layout['dp']}-pp{layout['pp']}-tp{layout['tp']}-zero{layout['zero']}"
+    return f"dp={layout['dp']} pp={layout['pp']} tp={layout['tp']} zero={layout['zero']}"
 
 
 def _default_run_name(cfg: RunConfig) -> str:

@@ -65,7 +65,7 @@ def test_unplaceable_layout_fails_after_bounded_wait(ray_local):
 
 
 def test_dead_actor_stops_the_run_with_a_clear_error_not_a_hang(ray_local, tiny_cfg):
-    from raymp.trainer import WorkerLostError
+    from raymp.runtime.actor_group import WorkerLostError
 
     group = ActorGroup(2, "cpu", placement_timeout_s=60, collective_timeout_s=120)
     try:
@@ -74,7 +74,7 @@ def test_dead_actor_stops_the_run_with_a_clear_error_not_a_hang(ray_local, tiny_
         trainer.step()
         ray_local.kill(group.workers[1])
         t0 = time.perf_counter()
-        with pytest.raises(WorkerLostError, match=r"rank 1 on node .* died during step 1") as err:
+        with pytest.raises(WorkerLostError, match=r"step 1: rank 1 on node .* died") as err:
             trainer.step()
         # Learned from Ray's actor-death signal, not from the 120 s collective timeout.
         assert time.perf_counter() - t0 < 60

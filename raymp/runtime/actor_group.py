@@ -19,6 +19,15 @@ class PlacementError(RuntimeError):
     """The cluster cannot host the layout; the message says what was asked and what is free."""
 
 
+class WorkerLostError(RuntimeError):
+    """A rank is gone or stuck: its actor (or node) died, a collective failed because a peer
+    did, or a call ran past its time limit. `kind` is 'died', 'collective' or 'timeout'."""
+
+    def __init__(self, message: str, rank: int | None = None, kind: str = "died", step: int | None = None):
+        super().__init__(message)
+        self.rank, self.kind, self.step = rank, kind, step
+
+
 class ActorGroup:
     """`tp_size` actors in a row form a tensor-parallel group (ranks are tp-fastest); each such
     group gets its own STRICT_PACK placement group, so its traffic (an all-reduce per layer)
@@ -66,13 +75,14 @@ class ActorGroup:
         t0 = time.perf_counter()
         addr, port = ray.get(self.workers[0].rendezvous_address.remote())
         backend = "nccl" if device == "cuda" else "gloo"
-        ray.get([
+        self._gather([
             w.init_distributed.remote(rank, world_size, addr, port, backend, collective_timeout_s)
             for rank, w in enumerate(self.workers)
-        ])
+        ], None)
         self.backend = backend
         self.startup_s = time.perf_counter() - t0
         self.nodes = ray.get([w.node_info.remote() for w in self.workers])
+        self.node_ids = sorted({n["node_id"] for n in self.nodes})
 
     def _bundle(self, rank: int):
         """(placement group, bundle index) of a rank."""
@@ -80,12 +90,42 @@ class ActorGroup:
             return self.pgs[rank // self.tp_size], rank % self.tp_size
         return self.pgs[0], rank
 
-    def call(self, method: str, *args, **kwargs) -> list:
-        """The same call on every rank, in parallel; returns results in rank order."""
-        return _gather([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+    def call(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> list:
+        """The same call on every rank, in parallel; returns results in rank order. Raises
+        WorkerLostError as soon as a rank is lost, or when no rank finishes within timeout_s."""
+        return self._gather([getattr(w, method).remote(*args, **kwargs) for w in self.workers], timeout_s)
 
-    def call_per_rank(self, method: str, args_per_rank: list[tuple]) -> list:
-        return _gather([getattr(w, method).remote(*a) for w, a in zip(self.workers, args_per_rank)])
+    def call_per_rank(self, method: str, args_per_rank: list[tuple], timeout_s: float | None = None) -> list:
+        return self._gather([getattr(w, method).remote(*a) for w, a in zip(self.workers, args_per_rank)], timeout_s)
+
+    def _gather(self, refs: list, timeout_s: float | None) -> list:
+        """Like ray.get(refs), but raises as soon as any call fails: survivors of a dead peer sit
+        in a collective until its timeout, and we must not wait for them to learn of the death."""
+        rank_of = {ref: r for r, ref in enumerate(refs)}
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=timeout_s)
+            if not done:
+                late = sorted(rank_of[r] for r in pending)
+                raise WorkerLostError(
+                    f"ranks {late} did not finish within {timeout_s:g}s (elastic.step_timeout_s): "
+                    "a hung rank or collective", late[0], "timeout")
+            try:
+                ray.get(done[0])
+            except ray.exceptions.RayActorError as exc:
+                raise WorkerLostError(self._where(rank_of[done[0]]) + " died. Cause: "
+                                      + str(exc).splitlines()[0], rank_of[done[0]], "died") from exc
+            except ray.exceptions.RayTaskError as exc:
+                if not _is_collective_failure(exc):
+                    raise
+                raise WorkerLostError(
+                    self._where(rank_of[done[0]]) + " lost a peer in a collective: "
+                    + str(exc.cause).splitlines()[0], rank_of[done[0]], "collective") from exc
+        return ray.get(refs)
+
+    def _where(self, rank: int) -> str:
+        node = self.nodes[rank]["node_ip"] if rank < len(getattr(self, "nodes", [])) else "?"
+        return f"rank {rank} on node {node}"
 
     def shutdown(self) -> None:
         for w in self.workers:
@@ -106,14 +146,15 @@ class ActorGroup:
                 )
 
 
-def _gather(refs: list) -> list:
-    """Like ray.get(refs), but raises as soon as any call fails: survivors of a dead peer sit in
-    a collective until its timeout, and we must not wait for them to learn of the death."""
-    pending = list(refs)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        ray.get(done[0])
-    return ray.get(refs)
+def _is_collective_failure(exc: Exception) -> bool:
+    """A torch collective that failed because a peer went away (gloo: connection closed or
+    reset, NCCL: a communicator error, either: the process-group timeout)."""
+    import torch.distributed as dist
+
+    cause = getattr(exc, "cause", None)
+    return isinstance(cause, dist.DistError) or any(
+        phrase in str(cause) for phrase in ("Connection closed by peer", "Connection reset by peer",
+                                            "Timed out waiting", "NCCL communicator"))
 
 
 def _check_a_node_fits(bundle: dict, tp_size: int) -> None:

@@ -53,6 +53,7 @@ class LocalStep:
         self.cfg, self.device = cfg, device
         model = build_model(args, cfg.seed, device)
         self.num_params = model.num_params()
+        self.tied_embeddings = args.tie_embeddings
         self.engine = _parallelize([model], cfg, mesh, device)
         self._autocast_dtype = _autocast_dtype(cfg)
         self.loss_meter = LossMeter()
@@ -162,6 +163,7 @@ class PipelineStep:
             for s in self.stage_ids
         ]
         self.num_params = sum(m.num_params() for m in modules)
+        self.tied_embeddings = args.tie_embeddings
         self.engine = _parallelize(modules, cfg, mesh, device, zero_bubble=p.schedule in ZERO_BUBBLE)
         self.clock, self.meter = StepClock(), ActivationMeter()
         self.loss_meter = LossMeter()

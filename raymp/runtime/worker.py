@@ -12,9 +12,7 @@ from datetime import timedelta
 import numpy as np
 
 
-def _clean(name: str) -> str:
-    """Parameter name as in the plain model (activation checkpointing adds a wrapper level)."""
-    return name.replace("_checkpoint_wrapped_module.", "")
+from raymp.checkpoint.rank_state import clean_name as _clean
 
 
 class Worker:
@@ -32,6 +30,7 @@ class Worker:
         self.engine = None
         self.program = None
         self.stream = None
+        self.checkpointer = None
         self._meshes = {}
 
     # -- placement and rendezvous ---------------------------------------------------------
@@ -72,6 +71,12 @@ class Worker:
             backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
+        from raymp.checkpoint.rank_state import RankCheckpointer
+
+        # Checkpoints get a gloo group of their own (DCP's planning collectives run in a
+        # background thread during async saves; they must not share the training's group).
+        self.checkpointer = RankCheckpointer(
+            rank, world_size, dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
 
     def _mesh(self, dims):
         key = (dims.dp, dims.pp, dims.tp)
@@ -91,6 +96,8 @@ class Worker:
         from raymp.runtime.steps import LocalStep, PipelineStep
 
         self.program = None
+        if self.checkpointer is not None:
+            self.checkpointer.wait()  # a save of the previous set-up still writing
         cfg = RunConfig.model_validate(cfg_dict)
         self.cfg = cfg
         p = cfg.parallel
@@ -104,7 +111,6 @@ class Worker:
             self.program = LocalStep(cfg, args, mesh, self.coords, self.device)
         self.engine = self.program.engine
         self.scheduler = build_scheduler(self.engine.optimizer, cfg.optimizer, cfg.train.steps)
-        self.step_index = 0
         if self.stream is not None:
             self.stream.close()
         self.stream = None
@@ -151,7 +157,6 @@ class Worker:
         state = self.engine.state_bytes()
         self.engine.optimizer.zero_grad(set_to_none=True)
         self.engine.after_optimizer_step()
-        self.step_index += 1
         return {
             "rank": self.rank,
             **out,
@@ -161,6 +166,7 @@ class Worker:
             "lr": lr,
             "compute_s": time.perf_counter() - t0,
             "peak_mem_bytes": self._peak_memory(),
+            "checkpoint": self.checkpointer.poll(),
             **state,
         }
 
@@ -195,6 +201,20 @@ class Worker:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def save_checkpoint(self, path: str, step: int, async_save: bool) -> dict:
+        """Start writing this rank's part of step's checkpoint (see raymp.checkpoint)."""
+        return self.checkpointer.save(path, step, self.program, self.engine, self.scheduler, async_save)
+
+    def wait_checkpoint(self) -> dict | None:
+        """Finish the save in flight; {"step", "error"} of it, or None if there was none."""
+        return self.checkpointer.wait()
+
+    def load_checkpoint(self, path: str) -> dict:
+        """Load a checkpoint written under any layout into this rank's freshly set-up state."""
+        return self.checkpointer.load(path, self.program, self.engine, self.scheduler)
 
     # -- inspection -------------------------------------------------------------------------
 

@@ -1,0 +1,61 @@
+"""Consolidate a sharded checkpoint into one plain file of full weights, named as in the plain
+model (`tok_embeddings.weight`, `layers.0.attention.wq.weight`, ...), for use outside raymp.
+
+Runs in one process without a process group or Ray: DCP reads each saved shard into its place in
+the full tensors. Only the model's entries are read, never the optimizer's (twice the size).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from raymp.checkpoint.rank_state import EMBEDDING, TIED_HEAD
+from raymp.checkpoint.store import CheckpointError, read_marker, storage_reader
+
+
+def consolidated_weights(path: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """(full weights by name, the checkpoint's marker) of the committed checkpoint at `path`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    checkpoint = read_marker(path)  # refuses a checkpoint whose write never finished
+    reader = storage_reader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    sd = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+          for key, meta in saved.items()
+          if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    if not sd:
+        raise CheckpointError(f"checkpoint {path} holds no model weights")
+    dcp.load(sd, storage_reader=reader, no_dist=True)
+    weights = {key[len("model."):]: value for key, value in sd.items()}
+    if checkpoint.meta["config"]["model"].get("tie_embeddings") and TIED_HEAD not in weights:
+        # Saved once as the embedding; the plain model's state dict lists the head too.
+        weights[TIED_HEAD] = weights[EMBEDDING].clone()
+    return weights, checkpoint.meta
+
+
+def export(path: str, out: str) -> dict:
+    """Write the weights to `out`: .safetensors (default) or .pt/.pth (torch.save). Written to a
+    temporary name and renamed, so `out` is never half a file. Returns a short description."""
+    weights, meta = consolidated_weights(path)
+    out_path = Path(out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    if out_path.suffix in (".pt", ".pth"):
+        torch.save(weights, tmp)
+    else:
+        from safetensors.torch import save_file
+
+        layout = meta["layout"]
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp), metadata={
+            "format": "pt", "raymp_step": str(meta["step"]),
+            "raymp_layout": f"dp={layout['dp']},pp={layout['pp']},tp={layout['tp']},zero={layout['zero']}",
+        })
+    os.replace(tmp, out_path)
+    tied = bool(meta["config"]["model"].get("tie_embeddings"))
+    params = sum(v.numel() for v in weights.values()) - (weights[TIED_HEAD].numel() if tied else 0)
+    return {"path": str(out_path), "tensors": len(weights), "step": meta["step"], "parameters": params,
+            "bytes": out_path.stat().st_size}

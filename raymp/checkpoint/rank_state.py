@@ -1,0 +1,280 @@
+"""One rank's side of a checkpoint: what it contributes, how it saves it in the background, and
+how it loads a checkpoint written under any other layout.
+
+Every entry is keyed by the plain model's parameter name, never by rank or stage, and sharded
+tensors go in as DTensors: torch.distributed.checkpoint records each shard's global offset, so a
+checkpoint saved with one (dp, pp, tp, zero) loads into another, each rank reading exactly the
+pieces it now holds.
+
+    model.<name>               parameters (FSDP/TP shards as DTensors, replicated ones once)
+    optim.<name>.<state>       AdamW state of the parameters this rank's optimizer owns
+    optim.param_groups         hyperparameters per group (lr, betas, ...), JSON
+    scheduler                  the LR schedule's state, JSON
+    rng.rank<r>.torch/.cuda    each rank's generator state (restored only under the same world size)
+
+Why not torch's get_state_dict(): it takes one module and one optimizer, while a pipeline rank
+holds several stage modules behind one optimizer, ZeRO-1 keeps a partial optimizer, and a tied
+head on the last stage is a copy of the first stage's embedding. The rules below cover all of
+those in one place.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import Future
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from raymp.checkpoint.store import CheckpointError, storage_reader, storage_writer
+
+TIED_HEAD, EMBEDDING = "output.weight", "tok_embeddings.weight"
+
+
+def clean_name(name: str) -> str:
+    """Parameter name as in the plain model (activation checkpointing adds a wrapper level)."""
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
+def canonical(name: str, tied: bool) -> tuple[str, bool]:
+    """(key, is_alias): a tied head is the embedding under another name. It is saved once, as
+    the embedding (from the first stage), and loaded from there by whoever holds the head."""
+    if tied and name == TIED_HEAD:
+        return EMBEDDING, True
+    return name, False
+
+
+def _add(entries: dict, key: str, tensor: torch.Tensor, alias: bool) -> None:
+    slot = entries.setdefault(key, [])
+    if not any(t is tensor for t, _ in slot):
+        slot.append((tensor, alias))
+
+
+def model_tensors(modules, tied: bool) -> dict[str, list[tuple[torch.Tensor, bool]]]:
+    """key -> [(tensor, is_alias)]: every parameter and buffer this rank holds. One key can have
+    several tensors (a V-shaped pipeline rank holds both the embedding and the tied head)."""
+    entries: dict = {}
+    for module in modules:
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            key, alias = canonical(clean_name(name), tied)
+            _add(entries, key, tensor, alias)
+    return entries
+
+
+def optimizer_params(engine, tied: bool) -> list[tuple[str, bool, torch.nn.Parameter]]:
+    """(key, is_alias, parameter) for the parameters whose optimizer state lives on this rank."""
+    names = {}
+    for module in engine.modules:
+        for name, param in module.named_parameters():
+            names.setdefault(id(param), clean_name(name))
+    out = []
+    for group in engine.local_optimizer().param_groups:
+        for param in group["params"]:
+            key, alias = canonical(names[id(param)], tied)
+            out.append((key, alias, param))
+    return out
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy in host memory that training cannot change. Needed even for CPU tensors: DCP's own
+    async staging runs in the background and reads live storage (DESIGN.md trap)."""
+    if isinstance(t, DTensor):
+        local = t.to_local().detach().to("cpu", copy=True)
+        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,
+                                  shape=t.shape, stride=t.stride())
+    return t.detach().to("cpu", copy=True)
+
+
+def _group_hyperparameters(optimizer) -> str:
+    return json.dumps([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
+
+
+def host_copy(sd: dict) -> dict:
+    return {k: _to_host(v) if torch.is_tensor(v) else v for k, v in sd.items()}
+
+
+def save_state(program, engine, scheduler, rank: int) -> dict:
+    """This rank's entries, copied to host memory (training may go on as soon as this returns)."""
+    tied = program.tied_embeddings
+    sd = {}
+    for key, tensors in model_tensors(engine.modules, tied).items():
+        owned = [t for t, alias in tensors if not alias]
+        if owned:
+            sd[f"model.{key}"] = owned[0]
+    optim = engine.local_optimizer()
+    for key, alias, param in optimizer_params(engine, tied):
+        if alias:
+            continue
+        for name, value in optim.state.get(param, {}).items():
+            sd[f"optim.{key}.{name}"] = value
+    sd = host_copy(sd)
+    sd["optim.param_groups"] = _group_hyperparameters(engine.optimizer)
+    sd["scheduler"] = json.dumps(scheduler.state_dict())
+    sd[f"rng.rank{rank}.torch"] = torch.get_rng_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        sd[f"rng.rank{rank}.cuda"] = torch.cuda.get_rng_state()
+    return sd
+
+
+class _AlreadyStaged:
+    """An AsyncStager that hands the state dict on as it is: save_state() has made the host copy,
+    and DCP's default stager would make a second one."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class RankCheckpointer:
+    """Saves and loads this rank's part; keeps at most one background save in flight."""
+
+    def __init__(self, rank: int, world_size: int, process_group):
+        # A process group of its own: a background save's collectives must never interleave with
+        # the training step's on the same group.
+        self.rank, self.world_size, self.group = rank, world_size, process_group
+        self.pending: tuple[int, Future] | None = None
+        self.writer_factory = storage_writer  # path -> DCP StorageWriter (tests inject failures here)
+
+    def save(self, path: str, step: int, program, engine, scheduler, async_save: bool) -> dict:
+        """Start writing step's checkpoint. Waits first for the previous save (reported as
+        wait_s: storage slower than the checkpoint interval shows up here)."""
+        t0 = time.perf_counter()
+        self.wait()
+        waited = time.perf_counter() - t0
+        sd = save_state(program, engine, scheduler, self.rank)
+        staged = time.perf_counter() - t0 - waited
+        self.write(sd, path, step, async_save)
+        return {"wait_s": waited, "stage_s": staged, "blocked_s": time.perf_counter() - t0}
+
+    def write(self, sd: dict, path: str, step: int, async_save: bool) -> None:
+        """Write a host-copied state dict (see host_copy), in the background if async_save."""
+        import torch.distributed.checkpoint as dcp
+
+        writer = self.writer_factory(path)
+        if async_save:
+            future = dcp.async_save(sd, storage_writer=writer, process_group=self.group,
+                                    async_stager=_AlreadyStaged())
+            self.pending = (step, getattr(future, "upload_completion", future))
+        else:
+            dcp.save(sd, storage_writer=writer, process_group=self.group)
+            done = Future()
+            done.set_result(None)
+            self.pending = (step, done)
+
+    def poll(self) -> dict | None:
+        """The finished save's step (and its error, if it failed), or None while none finished."""
+        if self.pending is None or not self.pending[1].done():
+            return None
+        step, future = self.pending
+        self.pending = None
+        error = future.exception()
+        return {"step": step, "error": None if error is None else f"{type(error).__name__}: {error}"}
+
+    def wait(self) -> dict | None:
+        """Block until the save in flight (if any) is on storage; its poll() report."""
+        if self.pending is None:
+            return None
+        try:
+            self.pending[1].result()
+        except Exception:  # reported by poll()
+            pass
+        return self.poll()
+
+    # -- loading ------------------------------------------------------------------------------
+
+    def load(self, path: str, program, engine, scheduler) -> dict:
+        """Fill this rank's parameters, optimizer state, schedule and RNG from the checkpoint at
+        `path`, whatever layout wrote it."""
+        import torch.distributed.checkpoint as dcp
+
+        t0 = time.perf_counter()
+        reader = storage_reader(path)
+        saved = reader.read_metadata().state_dict_metadata
+        tied = program.tied_embeddings
+        model = model_tensors(engine.modules, tied)
+        sd = {}
+        for key, tensors in model.items():
+            target = tensors[0][0]
+            _check_entry(saved, f"model.{key}", target, path)
+            sd[f"model.{key}"] = target.detach()
+        optim_targets = self._optimizer_targets(saved, engine, tied, path)
+        for key, (_, state) in optim_targets.items():
+            sd.update({f"optim.{key}.{name}": t for name, t in state.items()})
+        sd["optim.param_groups"] = ""
+        sd["scheduler"] = ""
+        rng = {}
+        for kind in ("torch", "cuda"):
+            key = f"rng.rank{self.rank}.{kind}"
+            if key in saved and self._same_world(saved):
+                rng[kind] = sd[key] = torch.empty(saved[key].size, dtype=torch.uint8)
+        with torch.no_grad():
+            dcp.load(sd, storage_reader=reader, process_group=self.group)
+            for tensors in model.values():  # aliases (a tied head) take the loaded value
+                first = tensors[0][0]
+                for other, _ in tensors[1:]:
+                    _local(other).copy_(_local(first))
+        optim = engine.local_optimizer()
+        for key, (params, state) in optim_targets.items():
+            for i, param in enumerate(params):
+                optim.state[param] = state if i == 0 else {k: v.clone() for k, v in state.items()}
+        for group, hyper in zip(engine.optimizer.param_groups, json.loads(sd["optim.param_groups"])):
+            group.update({k: tuple(v) if k == "betas" else v for k, v in hyper.items()})
+        scheduler.load_state_dict(json.loads(sd["scheduler"]))
+        if "torch" in rng:
+            torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+        return {"load_s": time.perf_counter() - t0, "rng_restored": "torch" in rng}
+
+    def _same_world(self, saved) -> bool:
+        return f"rng.rank{self.world_size - 1}.torch" in saved and f"rng.rank{self.world_size}.torch" not in saved
+
+    def _optimizer_targets(self, saved, engine, tied, path) -> dict:
+        """key -> ([parameters], {state name: empty tensor shaped like the saved entry}).
+        A parameter the checkpoint has no optimizer state for keeps a fresh (lazy) state."""
+        targets: dict = {}
+        for key, _, param in optimizer_params(engine, tied):
+            if key in targets:
+                targets[key][0].append(param)
+                continue
+            prefix = f"optim.{key}."
+            names = [k[len(prefix):] for k in saved if k.startswith(prefix) and "." not in k[len(prefix):]]
+            state = {}
+            for name in names:
+                meta = saved[prefix + name]
+                if tuple(meta.size) == tuple(param.shape):
+                    state[name] = torch.zeros_like(param.detach(), dtype=meta.properties.dtype)
+                elif len(meta.size) == 0:
+                    state[name] = torch.zeros((), dtype=meta.properties.dtype)
+                else:
+                    raise CheckpointError(
+                        f"checkpoint {path}: optimizer state {prefix + name} has shape "
+                        f"{tuple(meta.size)}, but the parameter is {tuple(param.shape)}: it was saved "
+                        "from a different model (check the model section of the config)")
+            if state:
+                targets[key] = ([param], state)
+        return targets
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _check_entry(saved, key: str, target: torch.Tensor, path: str) -> None:
+    if key not in saved:
+        raise CheckpointError(
+            f"checkpoint {path} has no {key}: it was saved from a different model (check the model "
+            "section of the config against the checkpoint's config.yaml)")
+    size = tuple(saved[key].size)
+    if size != tuple(target.shape):
+        raise CheckpointError(
+            f"checkpoint {path}: {key} has shape {size}, but this model's is {tuple(target.shape)}: "
+            "it was saved from a different model (check the model section of the config)")

@@ -1,0 +1,167 @@
+"""Where checkpoints live and which of them count: one directory per step, committed by a marker
+file that the driver writes last, after every rank's shards are on storage.
+
+    <dir>/step-00000040/__0_0.distcp ...   the ranks' shards (torch.distributed.checkpoint)
+    <dir>/step-00000040/.metadata          DCP's index, written by its coordinator
+    <dir>/step-00000040/raymp.json         the commit marker: step, data position, layout, run
+
+A directory without raymp.json is a write that never finished (a crash, a lost node, a killed
+job): it is never loaded, and is deleted by the next prune. The marker itself is written to a
+temporary name and renamed, so it is either whole or absent.
+
+Storage is a local or shared path, or any fsspec URI (s3://, gs://, file://, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+MARKER = "raymp.json"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or used; the message says which and why."""
+
+
+def is_uri(path: str) -> bool:
+    return "://" in str(path)
+
+
+def filesystem(path: str):
+    """(fsspec filesystem, path inside it) for a local path or a URI."""
+    import fsspec
+
+    if not is_uri(path):
+        return fsspec.filesystem("file"), str(Path(path).expanduser().resolve())
+    return fsspec.core.url_to_fs(str(path))
+
+
+def storage_writer(path: str):
+    """DCP's writer for a path (plain files) or a URI (fsspec)."""
+    if is_uri(path):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        return FsspecWriter(path)
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    return FileSystemWriter(path)
+
+
+def storage_reader(path: str):
+    if is_uri(path):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(path)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(path)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A committed checkpoint: its location and what its marker says."""
+
+    path: str
+    step: int
+    meta: dict
+
+    @property
+    def data_position(self) -> dict:
+        return self.meta["data_position"]
+
+
+def read_marker(path: str) -> Checkpoint:
+    """The committed checkpoint at `path`; CheckpointError if it was never committed."""
+    fs, root = filesystem(path)
+    marker = f"{root.rstrip('/')}/{MARKER}"
+    if not fs.exists(marker):
+        state = "does not exist" if not fs.exists(root) else "was never committed (no raymp.json: its write did not finish)"
+        raise CheckpointError(f"checkpoint {path} {state}; pass a committed one (raymp checkpoint list DIR)")
+    with fs.open(marker, "r") as f:
+        meta = json.load(f)
+    return Checkpoint(str(path), int(meta["step"]), meta)
+
+
+class CheckpointStore:
+    """The checkpoints of one run, under one directory (path or URI)."""
+
+    def __init__(self, root: str, keep_last: int = 2):
+        self.root = str(root).rstrip("/")
+        self.keep_last = keep_last
+        self.fs, self._root = filesystem(self.root)
+
+    def path_for(self, step: int) -> str:
+        return f"{self.root}/step-{step:08d}"
+
+    def _entries(self) -> list[tuple[int, str, bool]]:
+        """(step, name, committed) of every step directory, oldest first."""
+        if not self.fs.exists(self._root):
+            return []
+        out = []
+        for entry in self.fs.ls(self._root, detail=False):
+            name = entry.rstrip("/").rsplit("/", 1)[-1]
+            m = _STEP_DIR.match(name)
+            if m:
+                committed = self.fs.exists(f"{self._root}/{name}/{MARKER}")
+                out.append((int(m.group(1)), name, committed))
+        return sorted(out)
+
+    def committed(self) -> list[Checkpoint]:
+        """Committed checkpoints, oldest first."""
+        return [read_marker(f"{self.root}/{name}") for _, name, ok in self._entries() if ok]
+
+    def uncommitted(self) -> list[str]:
+        return [f"{self.root}/{name}" for _, name, ok in self._entries() if not ok]
+
+    def latest(self) -> Checkpoint | None:
+        done = [(step, name) for step, name, ok in self._entries() if ok]
+        return read_marker(f"{self.root}/{done[-1][1]}") if done else None
+
+    def prepare(self, step: int) -> str:
+        """A clean directory for step's checkpoint (a leftover of an unfinished write is removed)."""
+        path = self.path_for(step)
+        _, inner = filesystem(path)
+        if self.fs.exists(f"{inner}/{MARKER}"):
+            self.fs.rm(f"{inner}/{MARKER}")  # about to be overwritten: uncommit it first
+        if self.fs.exists(inner):
+            self.fs.rm(inner, recursive=True)
+        self.fs.makedirs(inner, exist_ok=True)
+        return path
+
+    def has_index(self, step: int) -> bool:
+        """Whether DCP's .metadata of step's checkpoint is on storage (all shards written)."""
+        _, inner = filesystem(self.path_for(step))
+        return self.fs.exists(f"{inner}/.metadata")
+
+    def commit(self, step: int, meta: dict) -> Checkpoint:
+        """Write the marker (whole or not at all), then delete what keep_last no longer keeps."""
+        path = self.path_for(step)
+        _, inner = filesystem(path)
+        meta = {"step": step, "committed_at": time.time(), **meta}
+        tmp = f"{inner}/{MARKER}.tmp"
+        with self.fs.open(tmp, "w") as f:
+            json.dump(meta, f, indent=1, sort_keys=True)
+        self.fs.mv(tmp, f"{inner}/{MARKER}")
+        self.prune()
+        return Checkpoint(path, step, meta)
+
+    def prune(self) -> list[str]:
+        """Delete committed checkpoints beyond the newest keep_last, and unfinished writes older
+        than the newest committed one (a newer unfinished one may still be in flight)."""
+        entries = self._entries()
+        done = [step for step, _, ok in entries if ok]
+        keep = set(done[-self.keep_last:])
+        newest = done[-1] if done else -1
+        removed = []
+        for step, name, ok in entries:
+            if (ok and step not in keep) or (not ok and step < newest):
+                if ok:  # uncommit first: a prune cut short must not leave a marker over missing shards
+                    self.fs.rm(f"{self._root}/{name}/{MARKER}")
+                self.fs.rm(f"{self._root}/{name}", recursive=True)
+                removed.append(name)
+        return removed

@@ -1,0 +1,90 @@
+"""Re-planning after a loss: how many data-parallel replicas the cluster holds now, and the layout
+to restart with. pp x tp is kept (a replica's shape is what the model's memory needs); dp shrinks
+to what fits, and the global batch stays the same, each replica taking more micro-batches, so the
+loss curve goes on as if nothing happened.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from raymp.config import RunConfig, config_from_dict, resolved_dict
+
+
+class ElasticError(RuntimeError):
+    """The run cannot go on: too many failures, or no room left for even one replica."""
+
+
+@dataclass
+class Capacity:
+    """What the live nodes can hold, counted from their total resources (the lost group has been
+    torn down, so the cluster is the run's again)."""
+
+    replicas: int
+    nodes: int
+    detail: str
+
+
+def capacity(cfg: RunConfig, device: str, reserve_node: str | None, reserve_cpus: float) -> Capacity:
+    """Replicas of pp x tp actors the live nodes can hold. A TP group must sit on one node;
+    `reserve_cpus` stay free on `reserve_node` (the data streams' tasks) or on the largest node."""
+    import ray
+
+    p, r = cfg.parallel, cfg.resources
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    groups, parts = 0, []
+    reserve_on = reserve_node or max(nodes, key=lambda n: n["Resources"].get("CPU", 0), default={}).get("NodeID")
+    for n in nodes:
+        res = n["Resources"]
+        cpus = res.get("CPU", 0) - (reserve_cpus if n["NodeID"] == reserve_on else 0)
+        slots = int(cpus // r.cpus_per_actor) if cpus > 0 else 0
+        if device == "cuda":
+            slots = min(slots, int(res.get("GPU", 0)))
+        groups += slots // p.tp
+        parts.append(f"{n.get('NodeManagerAddress', '?')}: {slots} actor(s)")
+    return Capacity(groups // p.pp, len(nodes), "; ".join(parts))
+
+
+def largest_valid_dp(cfg: RunConfig, limit: int) -> int | None:
+    """The largest dp <= limit the config accepts (the global batch must split into whole
+    micro-batches per replica, and the schedule may need a minimum count of them)."""
+    for dp in range(limit, 0, -1):
+        try:
+            with_dp(cfg, dp)
+            return dp
+        except ValueError:
+            continue
+    return None
+
+
+def with_dp(cfg: RunConfig, dp: int) -> RunConfig:
+    return config_from_dict(resolved_dict(cfg), [f"parallel.dp={dp}"])
+
+
+def wait_for_replicas(cfg: RunConfig, target_dp: int, device: str, reserve_node: str | None,
+                      log=print) -> tuple[int, float, Capacity]:
+    """(dp, seconds waited, capacity): the configured dp if the cluster has it back within
+    elastic.wait_for_resources_s, else the largest dp that fits. ElasticError if none does."""
+    el = cfg.elastic
+    t0 = time.perf_counter()
+    deadline = t0 + el.wait_for_resources_s
+    announced = False
+    while True:
+        cap = capacity(cfg, device, reserve_node, cfg.data.stream_cpus)
+        fits = largest_valid_dp(cfg, min(cap.replicas, target_dp)) if cap.replicas else None
+        if fits == target_dp or time.perf_counter() >= deadline:
+            break
+        if not announced:
+            log(f"elastic: the cluster holds {cap.replicas} replica(s) of pp={cfg.parallel.pp} x "
+                f"tp={cfg.parallel.tp} now ({cap.detail}); waiting up to "
+                f"{el.wait_for_resources_s:g}s (elastic.wait_for_resources_s) for {target_dp}")
+            announced = True
+        time.sleep(el.poll_s)
+    waited = time.perf_counter() - t0
+    if fits is None:
+        raise ElasticError(
+            f"after waiting {waited:.0f}s no replica of pp={cfg.parallel.pp} x tp={cfg.parallel.tp} "
+            f"actors fits the live nodes ({cap.detail or 'none'}); add nodes and resume from the last "
+            "checkpoint (checkpoint.resume=auto), or lower parallel.pp/tp")
+    return fits, waited, cap
