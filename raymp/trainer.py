@@ -523,6 +523,8 @@ class Trainer:
         while True:
             self.failures.append({"step": lost.step, "kind": lost.kind, "message": str(lost), "at": time.time()})
             if len(self.failures) > el.max_restarts:
+                self.checkpoints.abandon()  # committed if its shards all made it to storage
+                self._teardown_group()
                 raise ElasticError(
                     f"giving up after {len(self.failures)} failures (elastic.max_restarts={el.max_restarts}): "
                     + "; ".join(f["message"] for f in self.failures)

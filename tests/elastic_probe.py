@@ -47,7 +47,7 @@ def main() -> None:
     nodes = [cluster.add_node(num_cpus=3) for _ in range(2)]
     ray.init(address=cluster.address, log_to_driver=False)
     cluster.wait_for_nodes()
-    cache = f"{root}/cache"
+    cache = sys.argv[1] if len(sys.argv) > 1 else f"{root}/cache"  # the test session's, if given
     out: dict = {}
 
     with Trainer(config(root, "uninterrupted", cache), progress=False) as t:

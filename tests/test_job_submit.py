@@ -115,12 +115,14 @@ def test_submit_follow_stop_and_check_mlflow(ray_head, tmp_path, data_cache):
     logs = ray_cli(env, "job", "logs", "raymp-ok").stdout
     assert "step     6/6" in logs and "MLflow run" in logs  # progress streamed into the job logs
 
+    ckpt = tmp_path / "stopped-checkpoints"
     long = submit(env, "--no-wait", "--submission-id", "raymp-stop", "--working-dir",
                    ".", "--", "raymp", "train", "configs/tiny.yaml", "--set", "train.steps=100000",
-                   "--set", "train.log_every=1", *common)
+                   "--set", "train.log_every=1", "--set", "checkpoint.every=2", "--set", f"checkpoint.dir={ckpt}",
+                   *common)
     assert long.returncode == 0, long.stderr
     deadline = time.time() + 180
-    while "step     2/" not in ray_cli(env, "job", "logs", "raymp-stop").stdout:
+    while "step     4/" not in ray_cli(env, "job", "logs", "raymp-stop").stdout:
         assert time.time() < deadline, "the second job never started training"
         time.sleep(1)
     stop = ray_cli(env, "job", "stop", "raymp-stop")
@@ -144,6 +146,15 @@ def test_submit_follow_stop_and_check_mlflow(ray_head, tmp_path, data_cache):
     runs = {r.info.status: r for r in client.search_runs([exp.experiment_id])}
 
     assert set(runs) == {"FINISHED", "KILLED"}, runs.keys()
+    # The stopped job kept a committed checkpoint, whole (it exports), tied to its MLflow run.
+    from raymp.checkpoint.export import consolidated_weights
+    from raymp.checkpoint.store import CheckpointStore
+
+    kept = CheckpointStore(str(ckpt)).latest()
+    assert kept is not None and kept.step >= 2 and kept.step % 2 == 0
+    assert kept.meta["mlflow"]["run_id"] == runs["KILLED"].info.run_id
+    weights, _ = consolidated_weights(kept.path)
+    assert "tok_embeddings.weight" in weights
     finished = runs["FINISHED"]
     assert len(client.get_metric_history(finished.info.run_id, "loss")) == 6
     assert finished.data.tags["raymp.layout"] == "dp2-pp1-tp1-zero2"

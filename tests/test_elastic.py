@@ -1,0 +1,171 @@
+"""Elastic training: a node lost mid-run (simulated multi-node cluster), training resumes on fewer
+devices with the same losses as an uninterrupted run and grows back when a node returns; a killed
+actor restarts the group; the run gives up after elastic.max_restarts; hung ranks are detected
+by the step timeout or the process-group timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from raymp import Trainer
+from raymp.elastic import ElasticError
+from raymp.runtime.actor_group import ActorGroup, WorkerLostError
+
+
+@pytest.fixture(scope="module")
+def node_loss(data_cache):
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("elastic_probe.py")), data_cache],
+                         capture_output=True, text=True, timeout=540, env=env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "error" not in result, result["error"]
+    return result
+
+
+def test_node_loss_resumes_on_fewer_devices_with_the_same_losses(node_loss):
+    base = {m["step"]: m for m in node_loss["uninterrupted"]}
+    run = node_loss["interrupted"]
+    # The run finished, every step once in the final history, in order.
+    assert [m["step"] for m in run] == list(range(14))
+    failure, grow = node_loss["restarts"]
+    assert failure["reason"] == "failure" and failure["kind"] in ("died", "collective")
+    assert failure["layout_before"]["dp"] == 2 and failure["layout_after"]["dp"] == 1
+    assert failure["layout_after"]["pp"] == 2  # pp x tp kept, dp shrunk
+    assert node_loss["dp_after_loss"] == 1
+    assert failure["resumed_step"] <= node_loss["killed_after_step"] + 1
+    assert failure["resumed_step"] % 2 == 0 and failure["checkpoint"].endswith(f"step-{failure['resumed_step']:08d}")
+    # Detected from Ray's actor-death signal, well before the 60 s collective timeout.
+    assert failure["detected_at"] - node_loss["killed_at"] < 10
+    assert grow["reason"] == "grow" and grow["layout_after"]["dp"] == 2
+    assert grow["resumed_step"] > failure["resumed_step"]
+    for m in run:
+        expected_dp = 1 if failure["resumed_step"] <= m["step"] < grow["resumed_step"] else 2
+        assert m["dp"] == expected_dp, m["step"]
+        # Same global batch, same data order: the same samples, and the same loss within 1e-4.
+        assert m["sample_ids"] == base[m["step"]]["sample_ids"], m["step"]
+        assert m["loss"] == pytest.approx(base[m["step"]]["loss"], rel=1e-4), m["step"]
+        assert m["lr"] == pytest.approx(base[m["step"]]["lr"], rel=1e-9)
+    consumed = [i for m in run for i in m["sample_ids"]]
+    assert len(consumed) == 14 * 8 == len([i for m in node_loss["uninterrupted"] for i in m["sample_ids"]])
+
+
+def test_node_loss_is_recorded_in_the_same_mlflow_run(node_loss):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(node_loss["mlflow"]["uri"])
+    run = client.get_run(node_loss["mlflow"]["run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["raymp.restarts"] == "2" and run.data.tags["raymp.layout"] == "dp2-pp2-tp1-zero0"
+    artifacts = [a.path for a in client.list_artifacts(run.info.run_id, "events")]
+    assert artifacts == ["events/restart-1.json", "events/restart-2.json"]
+    event = json.loads(Path(client.download_artifacts(run.info.run_id, "events/restart-1.json")).read_text())
+    assert event["reason"] == "failure" and event["layout_after"]["dp"] == 1
+    dps = [m.value for m in client.get_metric_history(run.info.run_id, "elastic_dp")]
+    assert dps == [1, 2]
+    steps = {m.step for m in client.get_metric_history(run.info.run_id, "loss")}
+    assert steps == set(range(14))
+
+
+def elastic_cfg(tiny_cfg, tmp_path, **elastic):
+    return tiny_cfg(
+        parallel={"dp": 2, "zero": 2, "micro_batch_size": 2},
+        train={"steps": 8, "global_batch_size": 8, "seq_len": 32, "eval_batches": 0},
+        checkpoint={"every": 2, "dir": str(tmp_path / "checkpoints")},
+        elastic={"wait_for_resources_s": 0, **elastic},
+        tracking={"enabled": True, "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"},
+    )
+
+
+def kill_rank_after(trainer: Trainer, steps: int, rank: int = 1) -> threading.Thread:
+    import ray
+
+    def kill():
+        while len(trainer.history) < steps:
+            time.sleep(0.02)
+        ray.kill(trainer.group.workers[rank])
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_killed_actor_restarts_the_group_and_training_goes_on(tiny_cfg, tmp_path, group2):
+    with Trainer(elastic_cfg(tiny_cfg, tmp_path / "ref", enabled=False), actor_group=group2,
+                 progress=False) as t:
+        uninterrupted = [m["loss"] for m in t.fit()]
+    trainer = Trainer(elastic_cfg(tiny_cfg, tmp_path), progress=False)
+    try:
+        trainer.setup()
+        kill_rank_after(trainer, 3)
+        history = trainer.fit()
+        (restart,) = trainer.restarts
+        assert restart["reason"] == "failure" and restart["layout_after"] == restart["layout_before"]
+        assert [m["step"] for m in history] == list(range(8))
+        assert [m["loss"] for m in history] == pytest.approx(uninterrupted, rel=1e-5)
+        assert trainer.tracker.resumed is False
+    finally:
+        trainer.close()
+
+
+def test_gives_up_after_max_restarts(tiny_cfg, tmp_path):
+    trainer = Trainer(elastic_cfg(tiny_cfg, tmp_path, max_restarts=0), progress=False)
+    try:
+        trainer.setup()
+        kill_rank_after(trainer, 3)
+        with pytest.raises(ElasticError, match=r"giving up after 1 failures \(elastic.max_restarts=0\).*rank 1"):
+            trainer.fit()
+        # Its last checkpoint is committed for a later resume.
+        assert trainer.checkpoints.store.latest().step >= 2
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("kind", ["timeout", "collective"])
+def test_hung_rank_is_detected(tiny_cfg, tmp_path, kind):
+    """A wedged rank: the step timeout catches it, or (without one) the survivors' collectives
+    fail at the process-group timeout. Either way a WorkerLostError, not a hang."""
+    from ckpt_workers import HangingWorker
+
+    collective_timeout = 60 if kind == "timeout" else 3
+    group = ActorGroup(2, "cpu", placement_timeout_s=60, collective_timeout_s=collective_timeout,
+                       worker_cls=HangingWorker)
+    try:
+        group.call("arm_hang", 1, 1, 30)
+        cfg = elastic_cfg(tiny_cfg, tmp_path, step_timeout_s=3 if kind == "timeout" else None)
+        cfg["tracking"]["enabled"] = False
+        trainer = Trainer(cfg, actor_group=group, progress=False)
+        trainer.step()
+        t0 = time.perf_counter()
+        with pytest.raises(WorkerLostError) as err:
+            trainer.step()
+        assert err.value.kind == kind and err.value.step == 1
+        assert time.perf_counter() - t0 < 25  # well before the hung rank's 30 s
+    finally:
+        group.shutdown()
+
+
+def test_local_cluster_helper_shows_a_node_loss_and_return(tmp_path, data_cache):
+    """cluster/local_cluster.py, scripted: a node removed after step 5, one added after step 9."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    out = subprocess.run(
+        [sys.executable, str(root / "cluster" / "local_cluster.py"), str(root / "configs" / "tiny-elastic.yaml"),
+         "--set", "train.steps=16", "--set", "train.seq_len=32", "--set", "checkpoint.every=4",
+         "--set", f"checkpoint.dir={tmp_path}/ck", "--set", f"output_dir={tmp_path}/runs",
+         "--set", f"data.cache_dir={data_cache}", "--set", "elastic.wait_for_resources_s=1",
+         "--kill-at", "5", "--add-at", "9"],
+        capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL, cwd=root)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "[cluster] removed node 0" in out.stdout and "[cluster] added node" in out.stdout
+    assert "failure restart 1: dp=2 pp=2 tp=1 zero=2 -> dp=1 pp=2" in out.stdout
+    assert "grow restart 2: dp=1 pp=2 tp=1 zero=2 -> dp=2 pp=2" in out.stdout
+    assert "step    16/16" in out.stdout and "[cluster] done: 2 restart(s)" in out.stdout
