@@ -58,6 +58,7 @@ class Trainer:
         self._resume_position = data_position
         self.failures: list[dict] = []  # every lost rank, in order
         self.restarts: list[dict] = []  # every restart (after a failure, or growing back)
+        self._say = self._log
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -476,6 +477,7 @@ class Trainer:
         target = self.config.train.steps if steps is None else self.global_step + steps
         target = min(target, self.config.train.steps)
         bar = StepProgress(self.config.train.steps, self.config.train.log_every, self.progress_enabled)
+        self._say = bar.print  # restarts inside a step (growing back) print through the bar
         bar.print(self.describe())
         status = "FAILED"
         try:
@@ -537,7 +539,7 @@ class Trainer:
                 lost = WorkerLostError(f"while restarting: {again}", getattr(again, "rank", None),
                                        getattr(again, "kind", "placement"), lost.step)
         event["detected_at"] = detected
-        self._record_restart(event, bar)
+        self._record_restart(event, bar.print)
 
     def _restart(self, reason: str, lost: WorkerLostError | None = None,
                  checkpoint: Checkpoint | None = None) -> dict:
@@ -571,10 +573,10 @@ class Trainer:
             "launch_and_restore_s": t_up - t_plan, "restart_s": t_up - t0,
         }
 
-    def _record_restart(self, event: dict, bar) -> None:
+    def _record_restart(self, event: dict, say) -> None:
         self.restarts.append(event)
         steps_lost = (event["failed_step"] - event["resumed_step"]) if event["failed_step"] is not None else 0
-        bar.print(
+        say(
             f"elastic: {event['reason']} restart {len(self.restarts)}: "
             f"{_layout_text(event['layout_before'])} -> {_layout_text(event['layout_after'])}, resumed at step "
             f"{event['resumed_step']} ({event['checkpoint'] or 'no checkpoint: from the start'}), "
@@ -603,8 +605,7 @@ class Trainer:
     def _grow(self, checkpoint: Checkpoint | None) -> None:
         if checkpoint is None:  # the save failed: grow at the next one
             return
-        bar = StepProgress(self.config.train.steps, self.config.train.log_every, self.progress_enabled)
-        self._record_restart(self._restart("grow", checkpoint=checkpoint), bar)
+        self._record_restart(self._restart("grow", checkpoint=checkpoint), self._say)
 
     def _teardown_group(self) -> None:
         if self.group is not None and self.group is not self._shared_group:
@@ -707,7 +708,7 @@ class Trainer:
     def close(self) -> None:
         try:
             if self._ready:
-                self._finish_checkpoint()
+                self._finish_checkpoint(best_effort=True)  # a lost rank: the save stays uncommitted
         finally:
             if self.tracker is not None:
                 self.tracker.finish("FINISHED")
