@@ -71,6 +71,14 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("checkpoint", help="a committed checkpoint: <dir>/step-NNNNNNNN, or <dir> for its latest")
     exp.add_argument("--out", required=True, help="output file: .safetensors, or .pt/.pth for torch.save")
 
+    runs = sub.add_parser("runs", help="list an experiment's MLflow runs as a table, or compare some")
+    runs.add_argument("config", nargs="?", help="a run config: its tracking section and output_dir")
+    runs.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    runs.add_argument("--experiment", help="experiment name (default: the config's tracking.experiment)")
+    runs.add_argument("--tracking-uri", help="MLflow store (default: the config's, else sqlite under output_dir)")
+    runs.add_argument("--compare", nargs="+", metavar="RUN", help="run ids, id prefixes or names to put side by side")
+    runs.add_argument("--limit", type=int, default=50, help="newest runs to list (default 50)")
+
     show = sub.add_parser("config", help="validate a config and print it fully resolved")
     show.add_argument("config")
     show.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -92,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             return _prepare_data(args)
         if args.command == "checkpoint":
             return _checkpoint(args)
+        if args.command == "runs":
+            return _runs(args)
         cfg = load_config(args.config, args.overrides)
         if args.command == "config":
             print(yaml.safe_dump(resolved_dict(cfg), sort_keys=False), end="")
@@ -132,6 +142,24 @@ def _prepare_data(args) -> int:
     print(describe(manifest))
     print(f"dataset: {root}")
     print(f"train on it with: --set data.source={root}  (or keep data.source={source!r}: the cache is found)")
+    return 0
+
+
+def _runs(args) -> int:
+    from raymp.config import apply_overrides, config_from_dict
+    from raymp.runs import compare_runs, format_rows, list_runs
+    from raymp.tracking import default_tracking_uri
+
+    raw = apply_overrides((yaml.safe_load(open(args.config)) or {}) if args.config else {}, args.overrides)
+    cfg = config_from_dict(raw)
+    uri = args.tracking_uri or cfg.tracking.tracking_uri or default_tracking_uri(cfg.output_dir)
+    experiment = args.experiment or cfg.tracking.experiment
+    if args.compare:
+        print(compare_runs(uri, experiment, args.compare))
+        return 0
+    rows = list_runs(uri, experiment, args.limit)
+    print(f"experiment {experiment!r} in {uri}: {len(rows)} run(s), newest first")
+    print(format_rows(rows))
     return 0
 
 

@@ -181,6 +181,13 @@ class TrackingConfig(_Strict):
     run_name: str | None = None
     tracking_uri: str | None = Field(None, description="None: sqlite store under output_dir")
     flush_every: int = Field(10, ge=1, description="steps between batched MLflow writes")
+    system_metrics: bool = Field(False, description="log CPU/GPU/memory/network (MLflow's psutil monitor)")
+    system_metrics_interval_s: float = Field(10, gt=0, description="seconds between system-metric samples")
+    resume_run_id: str | None = Field(
+        None, description="continue this MLflow run (a run killed outright); a resumed checkpoint "
+        "continues its own run without it")
+    peak_tflops_per_device: float | None = Field(
+        None, gt=0, description="dense peak for the MFU metric; None: cluster.gpu_tflops on GPUs, no MFU on CPU")
 
 
 class ResourcesConfig(_Strict):

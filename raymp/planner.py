@@ -205,15 +205,20 @@ def estimate(args, layout: Layout, global_batch: int, seq_len: int, bf16: bool,
 # -- step time -----------------------------------------------------------------------------------
 
 
+def step_flops(args, global_batch: int, seq_len: int) -> float:
+    """Model FLOPs of one optimizer step (forward + backward, no recomputation): 6·Ψ per token
+    for the weights, plus attention's 12·layers·dim·seq_len per token. The numerator of MFU."""
+    tokens = global_batch * seq_len
+    return 6 * args.num_params * tokens + 12 * args.n_layers * args.dim * seq_len * tokens
+
+
 def step_seconds(args, layout: Layout, cluster: Cluster, global_batch: int, seq_len: int) -> dict:
     """Compute (6·Ψ·tokens + attention, x4/3 with recomputation) spread over every device at the
     achievable MFU, stretched by the pipeline bubble, plus exposed TP all-reduces (inside a
     node) and the dp gradient reduction (across nodes when dp spans them)."""
     from raymp.parallel.pipeline import theoretical_bubble
 
-    psi = args.num_params
-    tokens = global_batch * seq_len
-    flops = 6 * psi * tokens + 12 * args.n_layers * args.dim * seq_len * tokens
+    flops = step_flops(args, global_batch, seq_len)
     if layout.activation_checkpointing:
         flops *= 4 / 3
     world = layout.dp * layout.pp * layout.tp
@@ -227,13 +232,13 @@ def step_seconds(args, layout: Layout, cluster: Cluster, global_batch: int, seq_
         tp_time = micro * volume * 2 * (layout.tp - 1) / layout.tp / (cluster.intra_node_gbps * GB)
     dp_time = 0.0
     if layout.dp > 1:
-        grads = psi / (layout.pp * layout.tp) * 4  # fp32 gradients of one rank's shard of the model
+        grads = args.num_params / (layout.pp * layout.tp) * 4  # fp32 gradients of one rank's shard of the model
         spans_nodes = layout.dp * layout.pp * layout.tp > cluster.gpus_per_node
         bw = (cluster.inter_node_gbps if spans_nodes else cluster.intra_node_gbps) * GB
         dp_time = 2 * grads * (layout.dp - 1) / layout.dp / bw * 0.5  # half hidden behind backward
     total = compute + tp_time + dp_time
     return {"step_s": total, "compute_s": compute, "tp_comm_s": tp_time, "dp_comm_s": dp_time,
-            "bubble": bubble or 0.0, "tokens_per_s": tokens / total}
+            "bubble": bubble or 0.0, "tokens_per_s": global_batch * seq_len / total}
 
 
 # -- search -------------------------------------------------------------------------------------

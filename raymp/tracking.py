@@ -52,10 +52,20 @@ class RunTracker:
             self.run_id = resume_run_id
             self.client.update_run(resume_run_id, status="RUNNING")
             self.set_tags(tags)  # params are immutable in MLflow; the layout now is in the tags
-            return
-        run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
-        self.run_id = run.info.run_id
-        self.log_params(flatten(resolved_dict(cfg)))
+        else:
+            run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
+            self.run_id = run.info.run_id
+            self.log_params(flatten(resolved_dict(cfg)))
+        self._system = None
+        if cfg.tracking.system_metrics:
+            # MLflow's own psutil sampler (system/cpu_utilization_percentage, memory, network,
+            # GPU when present), on the driver's machine, in a thread of its own.
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self._system = SystemMetricsMonitor(
+                self.run_id, sampling_interval=cfg.tracking.system_metrics_interval_s,
+                resume_logging=self.resumed, tracking_uri=self.uri)
+            self._system.start()
 
     def _resumable(self, run_id: str) -> bool:
         from mlflow.exceptions import MlflowException
@@ -95,6 +105,9 @@ class RunTracker:
     def log_text(self, text: str, artifact_file: str) -> None:
         self._timed(self.client.log_text, self.run_id, text, artifact_file)
 
+    def log_figure(self, figure, artifact_file: str) -> None:
+        self._timed(self.client.log_figure, self.run_id, figure, artifact_file)
+
     def log_artifact(self, path) -> None:
         self._timed(self.client.log_artifact, self.run_id, str(path))
 
@@ -120,6 +133,8 @@ class RunTracker:
         """End the run once (FINISHED, FAILED or KILLED); later calls do nothing."""
         if self.finished:
             return
+        if self._system is not None:
+            self._system.finish()
         self.flush()
         self._timed(self.client.set_terminated, self.run_id, status)
         self.finished = True

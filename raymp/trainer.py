@@ -138,17 +138,39 @@ class Trainer:
             self.stage_layers = [stages[s] for s in sorted(stages)]
 
     def _start_tracking(self, resume: Checkpoint | None) -> None:
+        """The run's MLflow run: a new one, or the one a resumed checkpoint (or
+        tracking.resume_run_id) names, which goes on with a resume event."""
+        import json
+
         from raymp.tracking import RunTracker
 
         cfg = self.config
         previous = (resume.meta.get("mlflow") or {}) if resume is not None else {}
-        self.tracker = RunTracker(cfg, self.run_name, self._tags(), resume_run_id=previous.get("run_id"))
+        run_id = cfg.tracking.resume_run_id or previous.get("run_id")
+        self.tracker = RunTracker(cfg, self.run_name, self._tags(), resume_run_id=run_id)
+        if cfg.tracking.resume_run_id and not self.tracker.resumed:
+            raise ConfigError(f"tracking.resume_run_id {run_id!r} is not a run of experiment "
+                              f"{cfg.tracking.experiment!r} in {self.tracker.uri}; check the id (raymp runs)")
         if self.tracker.resumed:
-            self.tracker.log_event("resume", {"step": resume.step, "checkpoint": resume.path,
-                                              "layout": _layout_of(cfg)}, resume.step)
-            return
-        self.tracker.log_text(yaml.safe_dump(resolved_dict(cfg), sort_keys=False), "config.yaml")
-        self.tracker.log_params(self._data_params())
+            self.tracker.log_event("resume", {"step": self.global_step, "checkpoint": resume.path if resume else None,
+                                              "layout": _layout_of(cfg)}, self.global_step)
+        else:
+            self.tracker.log_text(yaml.safe_dump(resolved_dict(cfg), sort_keys=False), "config.yaml")
+            self.tracker.log_params(self._data_params())
+        plan = {"layout": self._layout_rows(), "memory_estimate": [vars(e) for e in self.memory_estimate],
+                "stage_layers": getattr(self, "stage_layers", None)}
+        self.tracker.log_text(json.dumps(plan, indent=1, default=str), "layout.json")
+
+    def _finish_tracking(self, status: str) -> None:
+        """The loss curve and where the last checkpoint is, then the run's end status."""
+        try:
+            if self.history:
+                self.tracker.log_figure(_loss_figure(self.history, self.run_name), "loss_curve.png")
+            latest = self.checkpoints.store.latest() if self.checkpoints else None
+            if latest is not None:
+                self.tracker.set_tags({"raymp.checkpoint": latest.path, "raymp.checkpoint_step": str(latest.step)})
+        finally:
+            self.tracker.finish(status)
 
     def _log(self, *args) -> None:
         if self.progress_enabled:
@@ -352,7 +374,8 @@ class Trainer:
             "raymp.device": self.device, "raymp.backend": self.group.backend,
             "raymp.num_params": str(self.num_params),
             "raymp.version": raymp.__version__, "torch.version": torch.__version__,
-            "ray.version": ray.__version__,
+            "ray.version": ray.__version__, "ray.address": ray.get_runtime_context().gcs_address,
+            **({"git.commit": commit} if (commit := _git_commit()) else {}),
         }
 
     # -- stepping ---------------------------------------------------------------------------
@@ -406,6 +429,8 @@ class Trainer:
                 e.model_state_bytes + e.activation_bytes for e in self.memory_estimate
             ),
         }
+        metrics.update(self._flops_metrics(step_time))
+        metrics["restarts"] = len(self.restarts)
         if self.dims.pp > 1:
             metrics.update(self._pipeline_metrics(per_rank))
         for r in per_rank:
@@ -418,7 +443,8 @@ class Trainer:
         self._checkpoint_after_step(per_rank, metrics)
         if self.tracker is not None:
             keys = ("loss", "val_loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "data_wait_s",
-                    "data_wait_fraction", "bubble_fraction", "bubble_fraction_theory", "checkpoint_blocked_s")
+                    "data_wait_fraction", "bubble_fraction", "bubble_fraction_theory", "checkpoint_blocked_s",
+                    "model_tflops_per_device", "mfu", "restarts")
             logged = {k: metrics[k] for k in keys if metrics.get(k) is not None}
             logged["peak_mem_mb_max"] = metrics["peak_mem_bytes_max"] / 2**20
             logged["memory_measured_mb_max"] = metrics["memory_measured_bytes_max"] / 2**20
@@ -427,6 +453,18 @@ class Trainer:
                 logged[f"peak_mem_mb.rank{r['rank']}"] = r["peak_mem_bytes"] / 2**20
             self.tracker.log_metrics(step, logged)
         return metrics
+
+    def _flops_metrics(self, step_time: float) -> dict:
+        """Achieved model TFLOP/s per device and, when the device's peak is known, MFU."""
+        from raymp.planner import step_flops
+
+        t = self.config.train
+        flops = step_flops(model_args(self.config.model, self.data.vocab_size), t.global_batch_size, t.seq_len)
+        achieved = flops / step_time / self.dims.world_size / 1e12
+        peak = self.config.tracking.peak_tflops_per_device
+        if peak is None and self.device == "cuda" and self.config.cluster is not None:
+            peak = self.config.cluster.gpu_tflops
+        return {"model_tflops_per_device": achieved, "mfu": achieved / peak if peak else None}
 
     def _pipeline_metrics(self, per_rank: list[dict]) -> dict:
         """Bubble per replica from the stages' clocks (averaged over replicas), next to theory.
@@ -498,7 +536,7 @@ class Trainer:
                 self._save_timeline(bar)
             done = self.global_step >= self.config.train.steps
             if self.tracker is not None and (status != "FINISHED" or done):
-                self.tracker.finish(status)
+                self._finish_tracking(status)
         bar.print(self.summary())
         return self.history
 
@@ -625,6 +663,9 @@ class Trainer:
         """Which actor holds what, where: rank, mesh coordinates, pipeline stages (stage index ->
         layer indices), node, pid, GPU ids."""
         self.setup()
+        return self._layout_rows()
+
+    def _layout_rows(self) -> list[dict]:
         return [
             {"rank": r, **self.dims.coords(r), "stages": self._stages_by_rank[r], **info}
             for r, info in enumerate(self.group.nodes)
@@ -720,6 +761,36 @@ class Trainer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _loss_figure(history: list[dict], title: str):
+    """Training (and validation) loss by step; the Figure API, so no global pyplot state."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4))
+    ax = fig.add_subplot()
+    ax.plot([m["step"] for m in history], [m["loss"] for m in history], label="train loss")
+    val = [(m["step"], m["val_loss"]) for m in history if m.get("val_loss") is not None]
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def _git_commit() -> str | None:
+    """The commit of the code being run, when it runs from a git checkout (a job's working dir)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
 
 
 def _layout_of(cfg: RunConfig) -> dict:

@@ -1,0 +1,102 @@
+"""A headless-Chromium screenshot of the MLflow UI comparing an experiment's raymp runs in the
+chart view, plus the rendered page's DOM (so a test can check what the page shows).
+
+    python scripts/mlflow_ui_screenshot.py --tracking-uri sqlite:///runs/mlflow.db --experiment raymp
+    python scripts/mlflow_ui_screenshot.py --tracking-uri http://127.0.0.1:5000 --experiment raymp
+
+With a database URI, an `mlflow server --workers 1` is started on a free local port for the
+shot and stopped after. Needs Chromium (Debian: apt-get install -y chromium).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "chrome")
+
+
+def find_browser() -> str | None:
+    return next((path for name in BROWSERS if (path := shutil.which(name))), None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(url: str, seconds: float, server=None) -> None:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=2)
+            return
+        except OSError:
+            if server is not None and server.poll() is not None:
+                raise RuntimeError("mlflow server exited before answering")
+            time.sleep(0.5)
+    raise RuntimeError(f"{url} did not answer within {seconds:g}s")
+
+
+def experiment_id(url: str, name: str) -> str:
+    query = urllib.parse.urlencode({"experiment_name": name})
+    with urllib.request.urlopen(f"{url}/api/2.0/mlflow/experiments/get-by-name?{query}", timeout=30) as r:
+        return json.loads(r.read())["experiment"]["experiment_id"]
+
+
+def shoot(url: str, experiment: str, out: Path, budget_ms: int = 20000) -> tuple[Path, str]:
+    """(screenshot path, rendered DOM) of the experiment's runs in chart-compare mode."""
+    browser = find_browser()
+    if browser is None:
+        raise RuntimeError("no Chromium found; install it (Debian: apt-get install -y chromium)")
+    page = (f"{url}/#/experiments/{experiment_id(url, experiment)}/runs"
+            "?workflowType=machine_learning&compareRunsMode=CHART")
+    common = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+              "--hide-scrollbars", "--window-size=1600,1000", f"--virtual-time-budget={budget_ms}"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(common + [f"--screenshot={out}", page], check=True, capture_output=True, timeout=180)
+    dom = subprocess.run(common + ["--dump-dom", page], check=True, capture_output=True, text=True, timeout=180)
+    return out, dom.stdout
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tracking-uri", default="sqlite:///runs/mlflow.db")
+    parser.add_argument("--experiment", default="raymp")
+    parser.add_argument("--out", default="runs/mlflow-ui.png", help="screenshot path (the DOM goes beside it)")
+    args = parser.parse_args(argv)
+    server = None
+    url = args.tracking_uri
+    if not url.startswith("http"):
+        port = _free_port()
+        workdir = tempfile.mkdtemp(prefix="mlflow-ui-")
+        server = subprocess.Popen(
+            [str(Path(sys.executable).parent / "mlflow"), "server", "--workers", "1", "--host", "127.0.0.1",
+             "--port", str(port), "--backend-store-uri", url],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=workdir)
+        url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(url, 120, server)
+        out, dom = shoot(url, args.experiment, Path(args.out))
+        dom_path = out.with_suffix(".html")
+        dom_path.write_text(dom)
+        print(f"screenshot: {out}\nrendered page: {dom_path}")
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
