@@ -153,7 +153,8 @@ def test_crash_mid_write_leaves_the_previous_checkpoint_loadable(tmp_path, data_
                        worker_cls=CrashDuringSaveWorker)
     try:
         group.call("arm_crash", 4, 1)  # rank 1 dies half-way through writing step 4's checkpoint
-        t = Trainer(run_cfg(tmp_path, data_cache, ckpt, every=2, dp=2, steps=6), actor_group=group,
+        # Through a URI: DCP's fsspec writer and reader, as for s3:// or gs:// storage.
+        t = Trainer(run_cfg(tmp_path, data_cache, f"file://{ckpt}", every=2, dp=2, steps=6), actor_group=group,
                     progress=False)
         t.fit(2)
         weights_at_2 = t.state_dict()
@@ -169,7 +170,7 @@ def test_crash_mid_write_leaves_the_previous_checkpoint_loadable(tmp_path, data_
     with pytest.raises(CheckpointError, match="never committed"):
         read_marker(str(half))
 
-    with Trainer(run_cfg(tmp_path, data_cache, ckpt, every=2, dp=2, steps=6), actor_group=group2,
+    with Trainer(run_cfg(tmp_path, data_cache, f"file://{ckpt}", every=2, dp=2, steps=6), actor_group=group2,
                  progress=False) as t:  # checkpoint.resume=auto: the latest committed one
         assert t.setup().global_step == 2
         assert all(torch.equal(t.state_dict()[k], v) for k, v in weights_at_2.items())
