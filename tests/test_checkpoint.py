@@ -213,3 +213,19 @@ def test_export_consolidates_to_one_file(saved, tmp_path):
     torch_out = tmp_path / "model.pt"
     assert main(["checkpoint", "export", str(saved["dir"]), "--out", str(torch_out)]) == 0  # latest
     assert torch.load(torch_out).keys() == weights.keys()
+
+
+def test_python_api_loads_and_saves_and_cli_lists(saved, data_cache, group4, tmp_path, capsys):
+    from raymp.cli import main
+
+    cfg = run_cfg(tmp_path, data_cache, tmp_path / "mine", dp=2, pp=2, zero=3)
+    with Trainer(cfg, actor_group=group4, progress=False) as t:
+        assert t.setup().global_step == 0  # nothing in its own checkpoint.dir yet
+        t.load_checkpoint(f"{saved['dir']}/step-{SAVE_AT:08d}")
+        assert t.global_step == SAVE_AT
+        assert all(torch.equal(t.state_dict()[k], v) for k, v in saved["weights"].items())
+        committed = t.save_checkpoint()  # into its own dir, re-sharded as ZeRO-3
+        assert committed.step == SAVE_AT and committed.meta["layout"]["zero"] == 3
+    assert main(["checkpoint", "list", str(tmp_path / "mine")]) == 0
+    listing = capsys.readouterr().out
+    assert f"step {SAVE_AT}  dp=2 pp=2 tp=1 zero=3" in listing and "epoch 0" in listing
