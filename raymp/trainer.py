@@ -85,6 +85,10 @@ class Trainer:
                                  "(set checkpoint.resume=never to use the data position)")
             self._log(f"resuming from {resume.path} (step {resume.step}, saved with "
                       f"{_layout_text(resume.meta['layout'])})")
+            if resume.step >= cfg.train.steps:
+                self._log(f"that checkpoint already completes train.steps={cfg.train.steps}: nothing to "
+                          "train; raise train.steps to go on, or set checkpoint.resume=never and another "
+                          "checkpoint.dir to start over")
         self.resumed_from = resume
         self._launch(resume, self._resume_position)
         self.initial_position = self.start
@@ -145,7 +149,10 @@ class Trainer:
         from raymp.tracking import RunTracker
 
         cfg = self.config
-        previous = (resume.meta.get("mlflow") or {}) if resume is not None else {}
+        # checkpoint.resume=auto continues this run, so its MLflow run goes on; a checkpoint named
+        # by path may be another run's (a warm start), which gets a run of its own.
+        continuing = resume is not None and cfg.checkpoint.resume == "auto"
+        previous = (resume.meta.get("mlflow") or {}) if continuing else {}
         run_id = cfg.tracking.resume_run_id or previous.get("run_id")
         self.tracker = RunTracker(cfg, self.run_name, self._tags(), resume_run_id=run_id)
         if cfg.tracking.resume_run_id and not self.tracker.resumed:
@@ -157,6 +164,8 @@ class Trainer:
         else:
             self.tracker.log_text(yaml.safe_dump(resolved_dict(cfg), sort_keys=False), "config.yaml")
             self.tracker.log_params(self._data_params())
+            if resume is not None:
+                self.tracker.set_tags({"raymp.resumed_from": resume.path})
         plan = {"layout": self._layout_rows(), "memory_estimate": [vars(e) for e in self.memory_estimate],
                 "stage_layers": getattr(self, "stage_layers", None)}
         self.tracker.log_text(json.dumps(plan, indent=1, default=str), "layout.json")

@@ -229,3 +229,25 @@ def test_python_api_loads_and_saves_and_cli_lists(saved, data_cache, group4, tmp
     assert main(["checkpoint", "list", str(tmp_path / "mine")]) == 0
     listing = capsys.readouterr().out
     assert f"step {SAVE_AT}  dp=2 pp=2 tp=1 zero=3" in listing and "epoch 0" in listing
+
+
+def test_auto_resume_continues_the_mlflow_run_a_path_starts_a_new_one(data_cache, group2, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    cfg = run_cfg(tmp_path, data_cache, tmp_path / "ck", every=2, dp=2, steps=4)
+    cfg["tracking"] = {"enabled": True, "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"}
+    with Trainer(cfg, actor_group=group2, progress=False) as t:
+        t.fit(2)
+        first = t.tracker.run_id
+    with Trainer(cfg, actor_group=group2, progress=False) as t:  # checkpoint.resume=auto
+        t.fit()
+        assert t.tracker.resumed and t.tracker.run_id == first
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    assert sorted(m.step for m in client.get_metric_history(first, "loss")) == [0, 1, 2, 3]
+    assert client.get_run(first).info.status == "FINISHED"
+    warm = dict(cfg, checkpoint={**cfg["checkpoint"], "dir": str(tmp_path / "ck2"),
+                                 "resume": f"{tmp_path}/ck/step-00000002"})
+    with Trainer(warm, actor_group=group2, progress=False) as t:
+        assert t.setup().global_step == 2
+        assert t.tracker.run_id != first and not t.tracker.resumed
+        assert client.get_run(t.tracker.run_id).data.tags["raymp.resumed_from"].endswith("step-00000002")
