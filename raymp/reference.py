@@ -11,7 +11,7 @@ import torch
 from raymp.config import RunConfig
 from raymp.data import TrainOrder, load_dataset
 from raymp.loss import lm_loss
-from raymp.models import build_model, model_args
+from raymp.models import build_model, model_spec
 from raymp.optim import build_optimizer, build_scheduler
 
 
@@ -19,7 +19,7 @@ def train_single_process(cfg: RunConfig, steps: int | None = None) -> tuple[list
     """Returns (loss per step, final state dict). Each step averages the loss over the whole
     global batch, processed in chunks of micro_batch_size (memory only; the math is the same)."""
     data, order = _data(cfg)
-    model = build_model(model_args(cfg.model, data.vocab_size), cfg.seed)
+    model = build_model(model_spec(cfg.model, data.vocab_size, cfg.seed), cfg.seed)
     optimizer = build_optimizer(model.parameters(), cfg.optimizer)
     scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.train.steps)
     autocast = (
@@ -48,13 +48,13 @@ def single_process_gradients(cfg: RunConfig) -> dict[str, torch.Tensor]:
     """Gradient of the first step's loss (mean over its micro-batches) for every parameter, by
     name, before clipping or any update: what each parallel layout must reproduce exactly."""
     data, order = _data(cfg)
-    model = build_model(model_args(cfg.model, data.vocab_size), cfg.seed)
+    model = build_model(model_spec(cfg.model, data.vocab_size, cfg.seed), cfg.seed)
     chunks = data.gather(order.batch(0)).reshape(-1, cfg.parallel.micro_batch_size, cfg.train.seq_len + 1)
     for chunk in chunks:
         batch = torch.from_numpy(chunk.astype(np.int64))
         (lm_loss(model(batch[:, :-1]), batch[:, 1:]) / len(chunks)).backward()
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-    if model.args.tie_embeddings:
+    if model_spec(cfg.model, data.vocab_size).tie_embeddings:
         grads["output.weight"] = grads["tok_embeddings.weight"]
     return grads
 
@@ -70,7 +70,7 @@ def single_process_val_loss(cfg: RunConfig, weights: dict[str, torch.Tensor]) ->
     """Mean loss of `weights` over the held-out batches a run validates on (the first
     train.eval_batches global batches of the validation split), micro-batch by micro-batch."""
     data, order = _data(cfg)
-    model = build_model(model_args(cfg.model, data.vocab_size), cfg.seed)
+    model = build_model(model_spec(cfg.model, data.vocab_size, cfg.seed), cfg.seed)
     model.load_state_dict(weights)
     g, mb = cfg.train.global_batch_size, cfg.parallel.micro_batch_size
     losses = []

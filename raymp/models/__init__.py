@@ -1,19 +1,26 @@
-"""Built-in models. `build_model(cfg)` turns a resolved ModelConfig into a plain nn.Module."""
+"""Models. `model_spec(cfg.model, vocab)` describes the configured model (the built-in
+Llama-style decoder, a Hugging Face causal LM, or a module from your own factory);
+`build_model(spec, seed)` builds it whole on one device (the single-process reference)."""
 
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
+from torch import nn
 
+from raymp.models.builtin import BuiltinSpec
 from raymp.models.llama import ModelArgs, Transformer
 from raymp.models.presets import PRESETS
+from raymp.models.spec import ModelSpec, build_part
 
-__all__ = ["ModelArgs", "Transformer", "PRESETS", "build_model", "count_parameters", "model_args"]
+__all__ = ["ModelArgs", "ModelSpec", "Transformer", "PRESETS", "build_model", "count_parameters",
+           "model_args", "model_spec"]
 
 
 def model_args(model_cfg, vocab_size: int) -> ModelArgs:
-    """ModelArgs from a ModelConfig; vocab_size comes from the tokenizer unless the config sets it."""
+    """The shape the planner reasons about (for a Hugging Face model, its config's shape as
+    the config section was filled from it); vocab_size from the tokenizer unless set."""
     return ModelArgs(
         vocab_size=model_cfg.vocab_size or vocab_size,
         dim=model_cfg.dim,
@@ -29,20 +36,27 @@ def model_args(model_cfg, vocab_size: int) -> ModelArgs:
     )
 
 
-def build_model(args: ModelArgs, seed: int, device: str | torch.device = "cpu",
-                prune: Callable[[Transformer], None] | None = None) -> Transformer:
-    """Same seed -> same weights on every rank and in the single-process reference.
+def model_spec(model_cfg, vocab_size: int, seed: int = 0) -> ModelSpec:
+    """The ModelSpec of a resolved ModelConfig; `seed` drives the initial weights."""
+    if model_cfg.hf is not None or model_cfg.hf_config is not None:
+        from raymp.models.hf import HFSpec
 
-    The model is laid out on the meta device first; `prune` may then drop what this rank does not
-    own (a pipeline stage keeps its layers only), so memory is only ever spent on the kept part."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    if prune is not None:
-        prune(model)
-    model.to_empty(device=device)
-    model.tie_weights()
-    model.init_weights(seed)
-    return model
+        return HFSpec.from_model_config(model_cfg, seed)
+    if model_cfg.factory is not None:
+        from raymp.models.custom import FactorySpec
+
+        return FactorySpec.from_model_config(model_cfg, vocab_size, seed)
+    return BuiltinSpec(model_args(model_cfg, vocab_size), seed)
+
+
+def build_model(spec: ModelSpec | ModelArgs, seed: int, device: str | torch.device = "cpu",
+                prune: Callable[[nn.Module], None] | None = None) -> nn.Module:
+    """Same seed -> same weights on every rank and in the single-process reference. Built on
+    the meta device first; `prune` may drop what this rank does not own (a pipeline stage keeps
+    its layers only), so memory is only ever spent on the kept part."""
+    if isinstance(spec, ModelArgs):
+        spec = BuiltinSpec(spec, seed)
+    return build_part(spec, device, prune=prune)
 
 
 def count_parameters(args: ModelArgs) -> int:

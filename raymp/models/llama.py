@@ -7,8 +7,6 @@ can delete what it does not own while parameter names stay stable for checkpoint
 
 from __future__ import annotations
 
-import math
-import zlib
 from dataclasses import dataclass
 
 import torch
@@ -150,23 +148,8 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
-        """Initialise every parameter from its own generator, seeded by (seed, name). A part of
-        the model (a pipeline stage built on the meta device) thus gets exactly the weights the
-        whole model would have, without ever building the whole model."""
-        std = self.args.init_std
-        # Residual projections shrink with depth (GPT-2 / Llama practice) so activations stay O(1).
-        out_std = std / math.sqrt(2 * self.args.n_layers)
-        for name, p in self.named_parameters():
-            if self.args.tie_embeddings and name == "output.weight":
-                name = "tok_embeddings.weight"  # a tied head alone on a stage: same init as its twin
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-                continue
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            value = torch.empty(p.shape, dtype=torch.float32)
-            value.normal_(0.0, out_std if name.endswith(("wo.weight", "w2.weight")) else std, generator=gen)
-            p.copy_(value)
+    def reset_rope(self) -> None:
+        """Recompute the RoPE tables (after the model is allocated from the meta device)."""
         cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)

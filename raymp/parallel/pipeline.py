@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -93,21 +92,6 @@ def balance_stages(args, num_stages: int) -> list[list[int]]:
         bounds.append(list(range(j, i)))
         i = j
     return bounds[::-1]
-
-
-def keep_only(layers: list[int], first: bool, last: bool) -> Callable[[nn.Module], None]:
-    """A prune function for build_model: drop everything this stage does not own."""
-
-    def prune(model: nn.Module) -> None:
-        for key in [k for k in model.layers if int(k) not in layers]:
-            del model.layers[key]
-        if not first:
-            model.tok_embeddings = None
-        if not last:
-            model.norm = None
-            model.output = None
-
-    return prune
 
 
 def theoretical_bubble(schedule: str, pp: int, micro_batches: int, stages_per_rank: int) -> float | None:

@@ -1,25 +1,10 @@
-"""Tensor (and sequence) parallelism: apply a model's TP plan over the mesh's tp dimension with
-torch's DTensor `parallelize_module`, and compute the loss on vocabulary-sharded logits."""
+"""Tensor parallelism's loss: cross-entropy on vocabulary-sharded logits. (Each model's TP plan
+is applied by its ModelSpec, raymp.models, with torch's DTensor `parallelize_module`.)"""
 
 from __future__ import annotations
 
 import contextlib
 
-from torch import nn
-
-
-def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    from raymp.models.llama_tp import block_plan, model_plan
-
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
-    parallelize_module(model, tp_mesh, model_plan(model, sequence_parallel))
-    # Embedding (rows = vocabulary) and head (columns = vocabulary) are both sharded on the
-    # vocabulary dimension, so a tied pair stays one parameter: parallelize_module gave each
-    # its own DTensor, tie them again.
-    model.tie_weights()
 
 
 def loss_context(tp: int):

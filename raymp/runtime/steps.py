@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 
 from raymp.loss import lm_loss
-from raymp.models import build_model
+from raymp.models.spec import build_part
 from raymp.parallel.checkpointing import apply_activation_checkpointing
 from raymp.parallel.pipeline import ActivationMeter, autocast_context
-from raymp.parallel.tensor import apply_tensor_parallel, loss_context
+from raymp.parallel.tensor import loss_context
 from raymp.parallel.zero import apply_data_parallel, local_tensor
 
 
@@ -22,21 +22,23 @@ def _autocast_dtype(cfg):
     return torch.bfloat16 if cfg.precision == "bf16" and cfg.parallel.zero < 2 else None
 
 
-def _block_names(module) -> list[str]:
-    return [f"layers.{k}" for k in module.layers]
-
-
-def _parallelize(modules, cfg, mesh, device, zero_bubble: bool = False):
-    """TP, then activation checkpointing, then data parallel / ZeRO (torchtitan's order)."""
+def _build(spec, cfg, mesh, device, prune=None):
+    """This rank's part of the model: built on meta, pruned to its stage, tensor-parallel, and
+    only then allocated and filled (raymp.models.spec), so no rank holds the whole model."""
     p = cfg.parallel
-    for module in modules:
-        if p.tp > 1:
-            apply_tensor_parallel(module, mesh["tp"], p.sequence_parallel)
-        if p.activation_checkpointing:
-            apply_activation_checkpointing(module, _block_names(module))
+    return build_part(spec, device, prune=prune, tp_mesh=mesh["tp"] if p.tp > 1 else None,
+                      sequence_parallel=p.sequence_parallel)
+
+
+def _parallelize(modules, spec, cfg, mesh, device, zero_bubble: bool = False):
+    """Activation checkpointing, then data parallel / ZeRO (after TP: torchtitan's order)."""
+    p = cfg.parallel
+    if p.activation_checkpointing:
+        for module in modules:
+            apply_activation_checkpointing(module, spec.block_names(module))
     return apply_data_parallel(
         modules, mesh["dp"], cfg.optimizer, p.zero, device,
-        torch.bfloat16 if cfg.precision == "bf16" else None, _block_names,
+        torch.bfloat16 if cfg.precision == "bf16" else None, spec.block_names,
         # Zero-bubble + FSDP2 resharding after forward yields wrong weight gradients (DESIGN.md).
         reshard_after_forward=False if zero_bubble else None,
         wrap_ddp=p.pp == 1 and p.tp == 1,
@@ -49,12 +51,12 @@ class LocalStep:
 
     counted_elsewhere: tuple = ()
 
-    def __init__(self, cfg, args, mesh, coords, device):
+    def __init__(self, cfg, spec, mesh, coords, device):
         self.cfg, self.device = cfg, device
-        model = build_model(args, cfg.seed, device)
-        self.num_params = model.num_params()
-        self.tied_embeddings = args.tie_embeddings
-        self.engine = _parallelize([model], cfg, mesh, device)
+        model = _build(spec, cfg, mesh, device)
+        self.num_params = spec.num_params()
+        self.tied_embeddings = spec.tie_embeddings
+        self.engine = _parallelize([model], spec, cfg, mesh, device)
         self._autocast_dtype = _autocast_dtype(cfg)
         self.loss_meter = LossMeter()
         self.meter = ActivationMeter()  # saved activations, loss included
@@ -114,6 +116,11 @@ class LossMeter:
         return out
 
 
+def _whole_numel(module) -> int:
+    """Parameters of a (possibly tensor-parallel) module as if whole: global sizes."""
+    return sum(p.numel() for p in module.parameters())
+
+
 _TIED_GROUPS: dict = {}
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -142,29 +149,29 @@ class PipelineStep:
     LABEL_TAG = 7  # keeps the label message apart from the schedule's activation traffic
     EVAL_TAG = 8
 
-    def __init__(self, cfg, args, mesh, coords, device, dims):
+    def __init__(self, cfg, spec, mesh, coords, device, dims):
         from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
         from raymp.parallel.pipeline import (
-            SCHEDULES, ZERO_BUBBLE, ActivationMeter, StepClock, TimedStage,
-            balance_stages, keep_only, local_stages, stage_to_pp_rank,
+            SCHEDULES, ZERO_BUBBLE, ActivationMeter, StepClock, TimedStage, local_stages, stage_to_pp_rank,
         )
+        from raymp.models.spec import keep_only
 
         p = cfg.parallel
         self.cfg, self.device, self.dims = cfg, device, dims
         self.pp_rank = coords["pp"]
         self.pp_group = mesh["pp"].get_group()
         num_stages = p.num_stages
-        layers = p.stage_layers or balance_stages(args, num_stages)
+        layers = p.stage_layers  # the driver always decides the split
         self.stage_ids = local_stages(self.pp_rank, p.pp, num_stages, p.schedule)
         self.stage_layers = {s: layers[s] for s in self.stage_ids}
         modules = [
-            build_model(args, cfg.seed, device, prune=keep_only(layers[s], s == 0, s == num_stages - 1))
+            _build(spec, cfg, mesh, device, prune=keep_only(layers[s], s == 0, s == num_stages - 1, spec))
             for s in self.stage_ids
         ]
-        self.num_params = sum(m.num_params() for m in modules)
-        self.tied_embeddings = args.tie_embeddings
-        self.engine = _parallelize(modules, cfg, mesh, device, zero_bubble=p.schedule in ZERO_BUBBLE)
+        self.num_params = sum(_whole_numel(m) for m in modules)
+        self.tied_embeddings = spec.tie_embeddings
+        self.engine = _parallelize(modules, spec, cfg, mesh, device, zero_bubble=p.schedule in ZERO_BUBBLE)
         self.clock, self.meter = StepClock(), ActivationMeter()
         self.loss_meter = LossMeter()
         self._autocast_dtype = _autocast_dtype(cfg)
@@ -181,16 +188,16 @@ class PipelineStep:
         self.is_first = 0 in self.stage_ids
         self.is_last = num_stages - 1 in self.stage_ids
         self.last_pp_rank = stage_to_pp_rank(num_stages - 1, p.pp, p.schedule)
-        self._tied = self._tied_parameters(args, num_stages)
+        self._tied = self._tied_parameters(spec, num_stages)
         # V-shaped schedules keep embedding and head on one rank: their grads are summed locally.
-        cross_rank_tie = args.tie_embeddings and self.last_pp_rank != 0
+        cross_rank_tie = spec.tie_embeddings and self.last_pp_rank != 0
         self._tied_group = _tied_group(dims, coords) if cross_rank_tie else None
         # The head's copy of a tied embedding is counted in the norm by the first stage only.
         self.counted_elsewhere = tuple(p_ for name, p_ in self._tied if name == "output.weight")
         self._loss_calls = 0
 
-    def _tied_parameters(self, args, num_stages) -> list[tuple[str, torch.nn.Parameter]]:
-        if not args.tie_embeddings:
+    def _tied_parameters(self, spec, num_stages) -> list[tuple[str, torch.nn.Parameter]]:
+        if not spec.tie_embeddings:
             return []
         tied = []
         for s, model in zip(self.stage_ids, self.engine.modules):
