@@ -69,7 +69,10 @@ def _parser() -> argparse.ArgumentParser:
     exp = ckpt_sub.add_parser(
         "export", help="consolidate a checkpoint's sharded weights into one .safetensors or .pt file")
     exp.add_argument("checkpoint", help="a committed checkpoint: <dir>/step-NNNNNNNN, or <dir> for its latest")
-    exp.add_argument("--out", required=True, help="output file: .safetensors, or .pt/.pth for torch.save")
+    exp.add_argument("--out", required=True, help="output file: .safetensors, or .pt/.pth for torch.save "
+                     "(with --hf: a directory)")
+    exp.add_argument("--hf", action="store_true",
+                     help="a Hugging Face model's checkpoint: write a from_pretrained directory (config.json + model.safetensors)")
 
     runs = sub.add_parser("runs", help="list an experiment's MLflow runs as a table, or compare some")
     runs.add_argument("config", nargs="?", help="a run config: its tracking section and output_dir")
@@ -178,7 +181,7 @@ def _checkpoint(args) -> int:
         if not committed:
             print(f"no committed checkpoint under {args.dir}")
         return 0
-    from raymp.checkpoint.export import export
+    from raymp.checkpoint.export import export, export_hf_dir
 
     path = args.checkpoint
     fs, inner = filesystem(path)
@@ -187,6 +190,11 @@ def _checkpoint(args) -> int:
         if latest is None:
             raise CheckpointError(f"{path} is neither a committed checkpoint nor a directory holding one")
         path = latest.path
+    if args.hf:
+        info = export_hf_dir(path, args.out)
+        print(f"exported step {info['step']} of {path} as a Hugging Face {info['model_type']} directory: "
+              f"{info['tensors']} tensors -> {info['path']}")
+        return 0
     info = export(path, args.out)
     print(f"exported step {info['step']} of {path}: {info['tensors']} tensors, "
           f"{info['parameters'] / 1e6:.2f}M parameters, {info['bytes'] / 2**20:.1f} MiB -> {info['path']}")

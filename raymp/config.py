@@ -26,9 +26,17 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
-    """Shape of the built-in Llama-style decoder. `preset` fills any field left unset."""
+    """Which model: the built-in Llama-style decoder (shape from `preset`, any field overridable),
+    a Hugging Face causal LM (`hf`: a local save_pretrained directory; `hf_config`: a config.json
+    as a mapping, random init), or any nn.Module (`factory`). For the last two the shape fields
+    are filled from the model (the planner reasons about them) and must not be set by hand."""
 
     preset: str | None = "tiny"
+    hf: str | None = Field(None, description="local Hugging Face model directory (config.json + safetensors)")
+    hf_config: dict[str, Any] | None = Field(None, description="a transformers config (with model_type): random init")
+    factory: str | None = Field(None, description="'package.module:function' returning an nn.Module")
+    factory_tp_plan: str | None = Field(
+        None, description="'package.module:function' giving the factory model's tensor-parallel plan")
     vocab_size: int | None = Field(None, gt=0, description="None: taken from the tokenizer")
     dim: int | None = Field(None, gt=0)
     n_layers: int | None = Field(None, gt=0)
@@ -50,6 +58,15 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _fill_from_preset(self) -> "ModelConfig":
+        sources = [k for k in ("hf", "hf_config", "factory") if getattr(self, k) is not None]
+        if len(sources) > 1:
+            raise ValueError(f"set one of model.{' or model.'.join(sources)}, not several")
+        if self.factory_tp_plan is not None and self.factory is None:
+            raise ValueError("model.factory_tp_plan needs model.factory; remove it")
+        if sources and sources[0] != "factory":
+            return self._fill_from_hf()
+        if sources and self.preset is None:
+            return self._fill_from_factory()
         if self.preset is None:
             missing = [k for k in _MODEL_SHAPE_FIELDS if getattr(self, k) is None and k != "vocab_size"]
             if missing:
@@ -60,8 +77,55 @@ class ModelConfig(_Strict):
                 object.__setattr__(self, key, value)
         return self
 
+    def _fill_from_hf(self) -> "ModelConfig":
+        from raymp.models.hf import HFModelError, load_hf_config, shape_fields
+
+        try:
+            fields = shape_fields(load_hf_config(self.hf, self.hf_config))
+        except HFModelError as exc:
+            raise ValueError(str(exc)) from None
+        set_by_hand = [k for k in _MODEL_SHAPE_FIELDS if k in self.model_fields_set and getattr(self, k) != fields[k]]
+        if set_by_hand:
+            raise ValueError(
+                f"model.{', model.'.join(set_by_hand)} come from the Hugging Face config; change them "
+                "there (model.hf_config, or the directory's config.json), not here")
+        object.__setattr__(self, "preset", None)
+        for key, value in fields.items():
+            object.__setattr__(self, key, value)
+        return self
+
+    def _fill_from_factory(self) -> "ModelConfig":
+        """Shape fields for the planner, read off the module (built on the meta device): layers,
+        width, and an MLP width that gives each layer its real parameter count. Heads are not
+        visible from outside; they count as one."""
+        import torch
+
+        from raymp.models.custom import import_object, is_stageable
+
+        with torch.device("meta"):
+            probe = import_object(self.factory, "model.factory")(vocab_size=self.vocab_size or 256)
+        layers = getattr(probe, "layers", None)
+        layers = list(layers.values()) if isinstance(layers, torch.nn.ModuleDict) else [probe]
+        object.__setattr__(self, "_stageable", is_stageable(probe))
+        embed = getattr(probe, "tok_embeddings", None)
+        dim = embed.weight.shape[1] if embed is not None else 1
+        per_layer = sum(p.numel() for p in layers[0].parameters())
+        fields = dict(dim=dim, n_layers=len(layers), n_heads=1, n_kv_heads=1,
+                      ffn_dim=max(1, (per_layer - 4 * dim * dim) // (3 * dim)), max_seq_len=2**20,
+                      rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False, init_std=0.02)
+        for key, value in fields.items():
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, value)
+        return self
+
+    @property
+    def is_hf(self) -> bool:
+        return self.hf is not None or self.hf_config is not None
+
     @model_validator(mode="after")
     def _check_shape(self) -> "ModelConfig":
+        if self.is_hf or self.factory is not None:
+            return self  # transformers validated its own config; a factory's module is what it is
         if self.dim % self.n_heads:
             raise ValueError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
         if (self.dim // self.n_heads) % 2:
@@ -323,8 +387,14 @@ TOKENIZER_VOCAB = {"byte": 256, "gpt2": 50257}
 
 def _check_tensor_parallel(cfg: RunConfig) -> None:
     p, m, t = cfg.parallel, cfg.model, cfg.train
-    for field, value in (("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads), ("dim", m.dim),
-                         ("ffn_dim", m.ffn_dim)):
+    if m.is_hf and p.tp > 1:
+        _check_hf_tensor_parallel(cfg)
+    elif m.factory is not None and p.tp > 1 and m.factory_tp_plan is None:
+        raise ValueError("parallel.tp > 1 needs a tensor-parallel plan for a model.factory model: "
+                         "set model.factory_tp_plan (docs/models.md), or use parallel.tp=1")
+    fields = () if m.is_hf or m.factory else (("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads),
+                                              ("dim", m.dim), ("ffn_dim", m.ffn_dim))
+    for field, value in fields:
         if value % p.tp:
             raise ValueError(f"parallel.tp ({p.tp}) must divide model.{field} ({value})")
     vocab = m.vocab_size or TOKENIZER_VOCAB.get(cfg.data.tokenizer)
@@ -350,6 +420,19 @@ def _check_tensor_parallel(cfg: RunConfig) -> None:
         )
 
 
+def _check_hf_tensor_parallel(cfg: RunConfig) -> None:
+    from raymp.models.hf import load_hf_config, tensor_parallel_dims
+
+    p, m = cfg.parallel, cfg.model
+    where = "model.hf_config" if m.hf_config is not None else f"config.json of model.hf ({m.hf})"
+    for field, value in tensor_parallel_dims(load_hf_config(m.hf, m.hf_config)).items():
+        if value % p.tp:
+            raise ValueError(f"parallel.tp ({p.tp}) must divide {field} ({value}) in {where}")
+    if p.sequence_parallel:
+        raise ValueError("parallel.sequence_parallel is implemented for the built-in model only; "
+                         "Hugging Face models run tensor parallel without it: set it to false")
+
+
 def _check_pipeline(cfg: RunConfig) -> None:
     p, m, t = cfg.parallel, cfg.model, cfg.train
     if p.virtual_stages is not None and p.schedule != "interleaved":
@@ -357,6 +440,10 @@ def _check_pipeline(cfg: RunConfig) -> None:
             f"parallel.virtual_stages applies to schedule=interleaved only (schedule is "
             f"{p.schedule!r}); remove it"
         )
+    if p.pp > 1 and m.factory is not None and not getattr(m, "_stageable", True):
+        from raymp.models.custom import STAGEABLE_NEEDED
+
+        raise ValueError(STAGEABLE_NEEDED)
     if p.pp == 1:
         if p.stage_layers is not None:
             raise ValueError("parallel.stage_layers needs parallel.pp > 1; remove it")

@@ -20,7 +20,7 @@ import yaml
 from raymp.config import CPU_OFFLOAD_ON_CPU, ConfigError, RunConfig, config_from_dict, load_config, resolved_dict
 from raymp.data import DataPosition, TrainOrder, load_dataset, replica_slice
 from raymp.data.stream import local_node_if_local_path
-from raymp.models import count_parameters, model_args
+from raymp.models import model_args, model_spec
 from raymp.parallel.mesh import ParallelDims
 from raymp.progress import StepProgress
 from raymp.checkpoint.coordinator import CheckpointCoordinator
@@ -123,10 +123,11 @@ class Trainer:
             # The driver decides the split (and records it in config.yaml and the MLflow params).
             from raymp.parallel.pipeline import balance_stages
 
-            split = balance_stages(model_args(cfg.model, self.data.vocab_size), p.num_stages)
+            split = balance_stages(self._stage_args(cfg), p.num_stages)
             self.config = cfg = config_from_dict(resolved_dict(cfg), [f"parallel.stage_layers={split}"])
         self._estimate_memory(cfg)
         infos = self.group.call("setup", resolved_dict(cfg), self.data.vocab_size)
+        self.setup_info = infos  # per rank: coords, stages, parameters, setup_peak_bytes
         self.checkpoints = self._checkpoint_coordinator()
         if checkpoint is not None:
             self.group.call("load_checkpoint", checkpoint.path)
@@ -135,11 +136,28 @@ class Trainer:
             DataPosition.at(0, 0, self.order, cfg.seed, self.data.identity)
         self._start_streams(start)
         self._send_eval_data()
-        self.num_params = count_parameters(model_args(cfg.model, self.data.vocab_size))
+        self.num_params = model_spec(cfg.model, self.data.vocab_size, cfg.seed).num_params()
         self._stages_by_rank = [info.get("stages", {}) for info in infos]
         if self.dims.pp > 1:
             stages = {s: layers for per_rank in self._stages_by_rank for s, layers in per_rank.items()}
             self.stage_layers = [stages[s] for s in sorted(stages)]
+
+    def _stage_args(self, cfg):
+        """The shape the pipeline balancer splits; a factory model's layer count is its own."""
+        import dataclasses
+
+        args = model_args(cfg.model, self.data.vocab_size)
+        if cfg.model.factory is None:
+            return args
+        spec = model_spec(cfg.model, self.data.vocab_size, cfg.seed)
+        if not spec.stageable:
+            from raymp.models.custom import STAGEABLE_NEEDED
+
+            raise ConfigError(STAGEABLE_NEEDED)
+        if spec.num_layers < cfg.parallel.num_stages:
+            raise ConfigError(f"parallel.pp makes {cfg.parallel.num_stages} stages but model.factory's "
+                              f"module has {spec.num_layers} layers; lower parallel.pp")
+        return dataclasses.replace(args, n_layers=spec.num_layers)
 
     def _start_tracking(self, resume: Checkpoint | None) -> None:
         """The run's MLflow run: a new one, or the one a resumed checkpoint (or

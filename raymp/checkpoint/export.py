@@ -59,3 +59,28 @@ def export(path: str, out: str) -> dict:
     params = sum(v.numel() for v in weights.values()) - (weights[TIED_HEAD].numel() if tied else 0)
     return {"path": str(out_path), "tensors": len(weights), "step": meta["step"], "parameters": params,
             "bytes": out_path.stat().st_size}
+
+
+def export_hf_dir(path: str, out: str) -> dict:
+    """Write a checkpoint of a Hugging Face model (model.hf / model.hf_config) as a Hugging Face
+    directory: config.json + model.safetensors, which `from_pretrained` loads. Written beside
+    `out` and renamed into place, so `out` is never half a model."""
+    import shutil
+
+    from raymp.models.hf import export_hf, load_hf_config
+
+    weights, meta = consolidated_weights(path)
+    model = meta["config"]["model"]
+    if model.get("hf") is None and model.get("hf_config") is None:
+        raise CheckpointError(f"checkpoint {path} is of the built-in model, not a Hugging Face one; "
+                              "export it as a .safetensors file instead (drop --hf)")
+    hf_config = load_hf_config(model.get("hf"), model.get("hf_config"))
+    out_path = Path(out)
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    export_hf(weights, hf_config, tmp)
+    if out_path.exists():
+        shutil.rmtree(out_path)
+    os.replace(tmp, out_path)
+    return {"path": str(out_path), "tensors": len(weights), "step": meta["step"],
+            "model_type": hf_config.model_type}

@@ -3,6 +3,7 @@ and runs one whole training step per driver call (all micro-batches, backward, o
 
 from __future__ import annotations
 
+import gc
 import os
 import resource
 import socket
@@ -13,6 +14,29 @@ import numpy as np
 
 
 from raymp.checkpoint.rank_state import clean_name as _clean
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _reset_peak_rss() -> int | None:
+    """Reset the kernel's peak-RSS mark (Linux: clear_refs 5) and return the RSS now, in
+    bytes; None where that is not available."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_kib("VmRSS") * 1024
+    except OSError:
+        return None
+
+
+def _peak_rss() -> int:
+    return _status_kib("VmHWM") * 1024
 
 
 class Worker:
@@ -89,33 +113,41 @@ class Worker:
     def setup(self, cfg_dict: dict, vocab_size: int) -> dict:
         """Build this rank's part of the model + optimizer from the resolved config. Re-callable:
         a reused actor group can train another config without restarting processes."""
+        import torch
+
         from raymp.config import RunConfig
-        from raymp.models import model_args
+        from raymp.models import model_spec
         from raymp.optim import build_scheduler
         from raymp.parallel.mesh import ParallelDims
         from raymp.runtime.steps import LocalStep, PipelineStep
 
-        self.program = None
         if self.checkpointer is not None:
             self.checkpointer.wait()  # a save of the previous set-up still writing
+        self.program = self.engine = self.scheduler = None  # the previous set-up's model goes first
+        gc.collect()
         cfg = RunConfig.model_validate(cfg_dict)
         self.cfg = cfg
         p = cfg.parallel
         dims = ParallelDims(p.dp, p.pp, p.tp)
         self.coords = dims.coords(self.rank)
         mesh = self._mesh(dims)
-        args = model_args(cfg.model, vocab_size)
+        spec = model_spec(cfg.model, vocab_size, cfg.seed)
+        with torch.device("meta"):
+            spec.build_meta()  # imports the model's code first: setup_peak_bytes counts memory, not code
+        rss_before = _reset_peak_rss()
         if p.pp > 1:
-            self.program = PipelineStep(cfg, args, mesh, self.coords, self.device, dims)
+            self.program = PipelineStep(cfg, spec, mesh, self.coords, self.device, dims)
         else:
-            self.program = LocalStep(cfg, args, mesh, self.coords, self.device)
+            self.program = LocalStep(cfg, spec, mesh, self.coords, self.device)
         self.engine = self.program.engine
         self.scheduler = build_scheduler(self.engine.optimizer, cfg.optimizer, cfg.train.steps)
         if self.stream is not None:
             self.stream.close()
         self.stream = None
         self.eval_tokens = []
-        info = {"rank": self.rank, "coords": self.coords, "num_params": self.program.num_params}
+        info = {"rank": self.rank, "coords": self.coords, "num_params": self.program.num_params,
+                # How much memory building and loading this rank's part took at its peak.
+                "setup_peak_bytes": None if rss_before is None else _peak_rss() - rss_before}
         if p.pp > 1:
             info["stages"] = self.program.stage_layers
         return info
