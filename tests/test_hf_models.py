@@ -181,8 +181,13 @@ def test_train_pp2_tp2_export_and_reload_in_transformers(family, group4, tiny_cf
     with Trainer(cfg, actor_group=group4, progress=False) as trainer:
         trainer.fit()
         trained = trainer.state_dict()
-    info = export_hf_dir(str(tmp_path / "ckpt" / "step-00000003"), str(tmp_path / "hf"))
-    assert info["step"] == 3
+    if family == "gpt2":  # the command line, given the run's checkpoint dir (takes the latest)
+        from raymp.cli import main
+
+        assert main(["checkpoint", "export", str(tmp_path / "ckpt"), "--hf", "--out", str(tmp_path / "hf")]) == 0
+    else:
+        assert export_hf_dir(str(tmp_path / "ckpt" / "step-00000003"), str(tmp_path / "hf"))["step"] == 3
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
     spec = model_spec(config_from_dict(cfg).model, 256, cfg["seed"])
     initial = build_model(spec, cfg["seed"]).state_dict()
     assert any(not torch.equal(trained[k], initial[k]) for k in initial), "the steps changed nothing"
