@@ -39,11 +39,28 @@ def _peak_rss() -> int:
     return _status_kib("VmHWM") * 1024
 
 
+def _return_large_buffers_to_os() -> None:
+    """Fix glibc's mmap threshold at 1 MiB (Linux/glibc only; elsewhere nothing to do).
+
+    glibc raises the threshold to up to 32 MiB after the first large buffer is freed; from then on
+    the gathered parameters and gradients ZeRO-3 makes and frees every block come from the heap
+    and stay resident after free. Measured (benchmarks/scale.py's ladder, 23.7M parameters, two
+    gloo ranks under FSDP2): peak RSS growth over two steps 580 MiB with the default, 215 MiB with
+    the threshold fixed, for 135 MiB of model state."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 class Worker:
     """Plain class; the runtime wraps it with ray.remote so tests can also use it in-process."""
 
     def __init__(self, num_threads: int):
         os.environ["OMP_NUM_THREADS"] = str(num_threads)
+        _return_large_buffers_to_os()
         import torch
 
         # Each actor gets its share of cores; torch's default (all cores per process) makes
