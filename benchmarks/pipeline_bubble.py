@@ -30,13 +30,15 @@ MICRO_BATCHES = (4, 8, 16, 32)
 SCHEDULES = ("gpipe", "1f1b")
 
 
-def run(group, schedule: str, m: int, args, out_dir: str) -> dict:
+def measure_bubble(group, schedule: str, m: int, pp: int, preset: str, seq_len: int, steps: int,
+                   out_dir: str) -> dict:
+    """One p-stage run of `schedule` with m micro-batches of 1 on `group` (pp actors)."""
     cfg = config_from_dict({
         "name": f"bubble-{schedule}-m{m}",
         "output_dir": out_dir,
-        "model": {"preset": args.preset},
-        "parallel": {"dp": 1, "pp": PP, "schedule": schedule, "micro_batch_size": 1},
-        "train": {"steps": args.steps, "global_batch_size": m, "seq_len": args.seq_len},
+        "model": {"preset": preset},
+        "parallel": {"dp": 1, "pp": pp, "schedule": schedule, "micro_batch_size": 1},
+        "train": {"steps": steps, "global_batch_size": m, "seq_len": seq_len},
         "optimizer": {"warmup_steps": 0},
         "data": {"source": "kjv", "tokenizer": "byte"},
         "tracking": {"enabled": False},
@@ -47,7 +49,8 @@ def run(group, schedule: str, m: int, args, out_dir: str) -> dict:
     by_stage = sorted(history[-1]["per_rank"], key=lambda r: r["rank"])
     return {
         "bubble": statistics.median(h["bubble_fraction"] for h in steady),
-        "theory": theoretical_bubble(schedule, PP, m, 1),
+        "bubbles": [h["bubble_fraction"] for h in steady],
+        "theory": theoretical_bubble(schedule, pp, m, 2 if schedule == "interleaved" else 1),
         "step_s": statistics.median(h["step_time_s"] for h in steady),
         "act_mib": [r["activation_peak_bytes"] / 2**20 for r in by_stage],
     }
@@ -66,7 +69,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out_dir:
         for m in MICRO_BATCHES:
             for schedule in SCHEDULES:
-                results[schedule, m] = run(group, schedule, m, args, out_dir)
+                results[schedule, m] = measure_bubble(group, schedule, m, PP, args.preset, args.seq_len,
+                                                         args.steps, out_dir)
     group.shutdown()
 
     print(f"\nPipeline bubble, p={PP} stages, model {args.preset}, seq_len {args.seq_len}, micro-batch 1, "
