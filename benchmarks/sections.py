@@ -27,6 +27,16 @@ def _raymp_fit(cfg_dict: dict, group) -> dict:
             "history": history}
 
 
+def _interleaved(variants: dict, reps: int) -> dict[str, list]:
+    """Each variant once per round, rounds one after another: slow drift of a shared machine
+    (another job, thermal state) lands on every variant alike instead of on whichever ran last."""
+    runs = {name: [] for name in variants}
+    for _ in range(reps):
+        for name, fn in variants.items():
+            runs[name].append(fn())
+    return runs
+
+
 def _max_loss_gap(losses: list[float], reference: list[float]) -> float:
     return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
 
@@ -58,10 +68,7 @@ def data_parallel(opts) -> dict:
         "raymp zero=3 (FSDP2)": lambda: _raymp_fit(configs[3], group),
         "Ray Train FSDP2": lambda: run_dp(configs[3], batches, vocab, "fsdp2", world, cpus, storage, gpu),
     }
-    runs = {name: [] for name in variants}
-    for _ in range(opts.reps):
-        for name, fn in variants.items():
-            runs[name].append(fn())
+    runs = _interleaved(variants, opts.reps)
     group.shutdown()
     ray.shutdown()
 
@@ -131,10 +138,7 @@ def orchestration(opts) -> dict:
     group = ActorGroup(4, "cpu", cpus_per_actor=0.5)
     variants = {"raymp (Ray actors, driver)": lambda: _raymp_fit(cfg, group),
                 "plain processes (torchrun-style, no Ray)": lambda: run_plain(cfg, batches, vocab)}
-    runs = {name: [] for name in variants}
-    for _ in range(opts.reps):
-        for name, fn in variants.items():
-            runs[name].append(fn())
+    runs = _interleaved(variants, opts.reps)
     group.shutdown()
     ray.shutdown()
     step = {name: [median(steady(r["step_times"])) for r in rs] for name, rs in runs.items()}
