@@ -85,6 +85,10 @@ def dp_loop(config: dict) -> None:
     import ray.train
 
     torch.set_num_threads(config["threads"])
+    if config["raymp_malloc"]:
+        from raymp.runtime.worker import _return_large_buffers_to_os
+
+        _return_large_buffers_to_os()
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = _device()
@@ -103,9 +107,10 @@ def dp_loop(config: dict) -> None:
 
 
 def run_dp(cfg_dict: dict, batches: list[np.ndarray], vocab_size: int, mode: str, workers: int,
-           cpus_per_worker: float, storage: str, use_gpu: bool = False) -> dict:
+           cpus_per_worker: float, storage: str, use_gpu: bool = False, raymp_malloc: bool = False) -> dict:
     """Train with TorchTrainer; returns the step times and losses rank 0 saw, and the wall time
-    of the whole fit (worker start-up included)."""
+    of the whole fit (worker start-up included). raymp_malloc: set glibc's mmap threshold as
+    raymp's workers do, to tell that setting's cost apart from the runtime's."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -116,7 +121,7 @@ def run_dp(cfg_dict: dict, batches: list[np.ndarray], vocab_size: int, mode: str
     trainer = TorchTrainer(
         dp_loop,
         train_loop_config={"cfg": cfg_dict, "vocab_size": vocab_size, "mode": mode, "batches": batches,
-                           "threads": threads, "log": log},
+                           "threads": threads, "log": log, "raymp_malloc": raymp_malloc},
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu,
                                      resources_per_worker={"CPU": cpus_per_worker}),

@@ -52,6 +52,8 @@ def _options(argv=None):
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="GPU mode: dense bf16 peak per GPU for MFU (default: looked up from the GPU's name)")
     parser.add_argument("--memory-cap-mib", type=int, default=512, help="scale: per-actor cap on resident memory")
+    parser.add_argument("--resume", metavar="RESULTS_DIR",
+                        help="keep the sections already finished in this results folder; run the rest")
     parser.add_argument("--section", help=argparse.SUPPRESS)  # internal: run one section, write --json
     parser.add_argument("--json", help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
@@ -83,6 +85,12 @@ def _peak_tflops(name: str) -> float:
 def _run_section(name: str, opts, results_dir: str) -> dict:
     """One section in a fresh interpreter; its JSON result."""
     path = os.path.join(results_dir, f"{name}.json")
+    if os.path.exists(path):  # --resume: this section finished in an earlier invocation
+        print(f"== {name}: kept from {path}", flush=True)
+        with open(path) as f:
+            result = json.load(f)
+        result["kept"] = True
+        return result
     argv = [sys.executable, "-m", "benchmarks.run_all", "--section", name, "--json", path,
             "--steps", str(opts.steps), "--reps", str(opts.reps), "--memory-cap-mib", str(opts.memory_cap_mib)]
     if opts.quick:
@@ -94,10 +102,13 @@ def _run_section(name: str, opts, results_dir: str) -> dict:
     print(f"== {name} ...", flush=True)
     proc = subprocess.run(argv, cwd=REPO, env=os.environ.copy())
     if proc.returncode:
-        raise SystemExit(f"section {name} failed (exit {proc.returncode}); its output is above")
+        raise SystemExit(f"section {name} failed (exit {proc.returncode}); its output is above. The finished "
+                         f"sections are kept: add --resume {results_dir} to run only the rest")
     with open(path) as f:
         result = json.load(f)
     result["wall_s"] = time.time() - start
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
     print(f"== {name}: {result['wall_s']:.0f} s", flush=True)
     return result
 
@@ -122,7 +133,10 @@ def _markdown(results: list[dict], info: dict, opts, command: str, results_dir: 
         for extra in r.get("extra_tables", []):
             lines += [extra["caption"] + ":", ""] + _table(extra["columns"], extra["rows"])
         lines += [f"- {note}" for note in r["notes"]]
-        lines += ["", f"_Section wall time: {r['wall_s']:.0f} s._", ""]
+        wall = f"{r['wall_s']:.0f} s" if "wall_s" in r else "not recorded"
+        if r.get("kept"):
+            wall += "; kept by --resume: this section ran in an earlier invocation into the same results folder"
+        lines += ["", f"_Section wall time: {wall}._", ""]
     return "\n".join(lines)
 
 
@@ -142,7 +156,7 @@ def main(argv=None) -> None:
         return
     names = opts.only or (["dp"] if opts.gpu else list(SECTIONS))
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    results_dir = os.path.join(REPO, "benchmarks", "results", stamp)
+    results_dir = os.path.abspath(opts.resume) if opts.resume else os.path.join(REPO, "benchmarks", "results", stamp)
     os.makedirs(results_dir, exist_ok=True)
     results = [_run_section(name, opts, results_dir) for name in names]
     info = {**machine(), "date": datetime.date.today().isoformat()}

@@ -25,7 +25,8 @@ from raymp.runtime.worker import Worker, _peak_rss, _reset_peak_rss, _status_kib
 
 from benchmarks.common import run_config
 
-# (dim, layers): the built-in Llama-style decoder; heads of 64, GQA 2:1, SwiGLU width ~8/3 dim.
+# (dim, layers): the built-in Llama-style decoder; heads of 64, GQA 2:1 (1:1 for an odd head count),
+# SwiGLU width ~8/3 dim.
 LADDER = [(256, 8), (384, 8), (448, 8), (512, 8), (640, 12), (768, 12), (896, 12), (1024, 12), (1024, 16), (1280, 16)]
 
 
@@ -54,7 +55,8 @@ class CappedWorker(Worker):
 
 def shape(dim: int, layers: int) -> dict:
     heads = dim // 64
-    return {"preset": "small", "dim": dim, "n_layers": layers, "n_heads": heads, "n_kv_heads": max(1, heads // 2),
+    return {"preset": "small", "dim": dim, "n_layers": layers, "n_heads": heads,
+            "n_kv_heads": heads // 2 if heads % 2 == 0 else heads,
             "ffn_dim": 64 * math.ceil(8 * dim / 3 / 64), "max_seq_len": 256}
 
 

@@ -27,6 +27,9 @@ def _raymp_fit(cfg_dict: dict, group) -> dict:
             "history": history}
 
 
+MALLOC_PEER = "Ray Train FSDP2 + raymp's mmap threshold"
+
+
 def _interleaved(variants: dict, reps: int) -> dict[str, list]:
     """Each variant once per round, rounds one after another: slow drift of a shared machine
     (another job, thermal state) lands on every variant alike instead of on whichever ran last."""
@@ -67,6 +70,8 @@ def data_parallel(opts) -> dict:
         "Ray Train DDP": lambda: run_dp(configs[0], batches, vocab, "ddp", world, cpus, storage, gpu),
         "raymp zero=3 (FSDP2)": lambda: _raymp_fit(configs[3], group),
         "Ray Train FSDP2": lambda: run_dp(configs[3], batches, vocab, "fsdp2", world, cpus, storage, gpu),
+        # The same peer with raymp's one process-level difference (raymp/runtime/worker.py).
+        MALLOC_PEER: lambda: run_dp(configs[3], batches, vocab, "fsdp2", world, cpus, storage, gpu, True),
     }
     runs = _interleaved(variants, opts.reps)
     group.shutdown()
@@ -105,11 +110,23 @@ def data_parallel(opts) -> dict:
             "Same model builder, seed, data order, AdamW and clipping on both sides; the loss column is the "
             "largest relative gap to raymp zero=0 over every step of every round, so it shows the peers "
             "trained the same thing.",
+            _malloc_note(step),
             "Ratio > 1: raymp's step is shorter. raymp's step time is the driver's (one remote call per rank "
             "per step, results gathered, data streamed by Ray Data); Ray Train's is rank 0's own loop, "
             "which has no per-step driver round trip.",
         ],
     }
+
+
+def _malloc_note(step: dict) -> str:
+    """What raymp's glibc setting (freed gather buffers go back to the OS, so each gather faults its
+    pages in again) costs FSDP2's step, measured on the peer, against raymp's whole gap."""
+    peer, tuned = median(step["Ray Train FSDP2"]), median(step[MALLOC_PEER])
+    gap = median(step["raymp zero=3 (FSDP2)"]) / peer
+    return (f"raymp's workers fix glibc's mmap threshold (memory: see section 6). The same setting in the "
+            f"Ray Train FSDP2 peer changes its step by {tuned / peer:.2f}x; raymp zero=3's step is "
+            f"{gap:.2f}x the peer's. What the setting does not explain is the per-step orchestration "
+            "(section 2).")
 
 
 def _mfu(cfg_dict, vocab, shape, step_s, world, opts) -> float:
