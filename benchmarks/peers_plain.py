@@ -46,24 +46,14 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict, vocab_size: int
     worker.shutdown()
 
 
-def resolved_pipeline_config(cfg_dict: dict, vocab_size: int) -> dict:
-    """The config as raymp's driver hands it to its ranks: with the stage split decided."""
-    from raymp.config import config_from_dict, resolved_dict
-    from raymp.models import model_args
-    from raymp.parallel.pipeline import balance_stages
-
-    cfg = config_from_dict(cfg_dict)
-    if cfg.parallel.pp > 1 and cfg.parallel.stage_layers is None:
-        split = balance_stages(model_args(cfg.model, vocab_size), cfg.parallel.num_stages)
-        cfg = config_from_dict(resolved_dict(cfg), [f"parallel.stage_layers={split}"])
-    return resolved_dict(cfg)
-
-
 def run_plain(cfg_dict: dict, batches: list[np.ndarray], vocab_size: int, threads: int = 1) -> dict:
     """Spawn dp*pp*tp processes, train, return the step times (slowest rank) and mean loss."""
     p = cfg_dict["parallel"]
     world = p["dp"] * p["pp"] * p.get("tp", 1)
-    cfg_dict = resolved_pipeline_config(cfg_dict, vocab_size)
+    from raymp.config import config_from_dict, resolved_dict
+    from raymp.trainer import with_stage_split
+
+    cfg_dict = resolved_dict(with_stage_split(config_from_dict(cfg_dict), vocab_size))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -40,6 +40,35 @@ def as_config(config: RunConfig | str | Path | dict, overrides: list[str] | None
     return load_config(config, overrides)
 
 
+def with_stage_split(cfg: RunConfig, vocab_size: int) -> RunConfig:
+    """`cfg` with parallel.stage_layers decided (balanced by cost) when it pipelines and none was
+    given: the config the driver hands its ranks."""
+    if cfg.parallel.pp == 1 or cfg.parallel.stage_layers is not None:
+        return cfg
+    from raymp.parallel.pipeline import balance_stages
+
+    split = balance_stages(_stage_args(cfg, vocab_size), cfg.parallel.num_stages)
+    return config_from_dict(resolved_dict(cfg), [f"parallel.stage_layers={split}"])
+
+
+def _stage_args(cfg: RunConfig, vocab_size: int):
+    """The shape the pipeline balancer splits; a factory model's layer count is its own."""
+    import dataclasses
+
+    args = model_args(cfg.model, vocab_size)
+    if cfg.model.factory is None:
+        return args
+    spec = model_spec(cfg.model, vocab_size, cfg.seed)
+    if not spec.stageable:
+        from raymp.models.custom import STAGEABLE_NEEDED
+
+        raise ConfigError(STAGEABLE_NEEDED)
+    if spec.num_layers < cfg.parallel.num_stages:
+        raise ConfigError(f"parallel.pp makes {cfg.parallel.num_stages} stages but model.factory's "
+                          f"module has {spec.num_layers} layers; lower parallel.pp")
+    return dataclasses.replace(args, n_layers=spec.num_layers)
+
+
 class Trainer:
     def __init__(self, config: RunConfig | str | Path | dict, overrides: list[str] | None = None,
                  *, actor_group: ActorGroup | None = None, progress: bool = True,
@@ -119,12 +148,8 @@ class Trainer:
                 cfg.resources.placement_timeout_s, cfg.resources.collective_timeout_s,
                 tp_size=self.dims.tp,
             )
-        if p.pp > 1 and p.stage_layers is None:
-            # The driver decides the split (and records it in config.yaml and the MLflow params).
-            from raymp.parallel.pipeline import balance_stages
-
-            split = balance_stages(self._stage_args(cfg), p.num_stages)
-            self.config = cfg = config_from_dict(resolved_dict(cfg), [f"parallel.stage_layers={split}"])
+        # The driver decides the split (and records it in config.yaml and the MLflow params).
+        self.config = cfg = with_stage_split(cfg, self.data.vocab_size)
         self._estimate_memory(cfg)
         infos = self.group.call("setup", resolved_dict(cfg), self.data.vocab_size)
         self.setup_info = infos  # per rank: coords, stages, parameters, setup_peak_bytes
@@ -141,23 +166,6 @@ class Trainer:
         if self.dims.pp > 1:
             stages = {s: layers for per_rank in self._stages_by_rank for s, layers in per_rank.items()}
             self.stage_layers = [stages[s] for s in sorted(stages)]
-
-    def _stage_args(self, cfg):
-        """The shape the pipeline balancer splits; a factory model's layer count is its own."""
-        import dataclasses
-
-        args = model_args(cfg.model, self.data.vocab_size)
-        if cfg.model.factory is None:
-            return args
-        spec = model_spec(cfg.model, self.data.vocab_size, cfg.seed)
-        if not spec.stageable:
-            from raymp.models.custom import STAGEABLE_NEEDED
-
-            raise ConfigError(STAGEABLE_NEEDED)
-        if spec.num_layers < cfg.parallel.num_stages:
-            raise ConfigError(f"parallel.pp makes {cfg.parallel.num_stages} stages but model.factory's "
-                              f"module has {spec.num_layers} layers; lower parallel.pp")
-        return dataclasses.replace(args, n_layers=spec.num_layers)
 
     def _start_tracking(self, resume: Checkpoint | None) -> None:
         """The run's MLflow run: a new one, or the one a resumed checkpoint (or
