@@ -252,15 +252,15 @@ def memory(opts) -> dict:
             cfg = run_config(f"mem-z{zero}-{precision}", out, dp=n, zero=zero, steps=2, precision=precision)
             run = _raymp_fit(cfg, group)
             per_rank = run["history"][-1]["per_rank"]
-            psi = run["history"][-1].get("num_params") or _num_params(cfg)
-            measured = [r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"] for r in per_rank]
+            psi = _num_params(cfg)
             formula = zero_model_states(psi, zero, n, *sizes)
-            worst = max(per_rank, key=lambda r: r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"])
+            state = lambda r: r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"]  # noqa: E731
+            worst = max(per_rank, key=state)
             rows.append([precision, str(zero),
                          _mib(worst["param_bytes"]), _mib(formula["params"]),
                          _mib(worst["grad_bytes"]), _mib(formula["grads"]),
                          _mib(worst["optim_bytes"]), _mib(formula["optimizer"]),
-                         _mib(max(measured)), _mib(formula["total"]), f"{max(measured) / formula['total']:.2f}"])
+                         _mib(state(worst)), _mib(formula["total"]), f"{state(worst) / formula['total']:.2f}"])
             raw[f"{precision} zero={zero}"] = {"psi": psi, "per_rank": [
                 {k: r[k] for k in ("rank", "param_bytes", "grad_bytes", "optim_bytes")} for r in per_rank],
                 "formula": formula}
