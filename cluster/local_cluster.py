@@ -47,17 +47,29 @@ def main(argv: list[str] | None = None) -> int:
     say("commands: nodes | kill N | add | quit")
 
     trainer = Trainer(args.config, args.overrides)
+    scripted = {at: command for at, command in [(args.kill_at, "kill 0"), (args.add_at, "add")] if at is not None}
+    due: list = []  # (command, done event): a scripted command the training thread waits on
+
+    def on_event(name: str, info: dict) -> None:
+        # Scripted commands run at their exact step: training waits until the main thread has
+        # run them (a node is fully added before the next step), so the demo never races a clock.
+        if name == "step" and info["done"] in scripted:
+            done = threading.Event()
+            due.append((scripted.pop(info["done"]), done))
+            done.wait()
+
+    trainer.on_event = on_event
     outcome: list = []
     thread = threading.Thread(target=_train, args=(trainer, outcome), daemon=True)
     thread.start()
     commands = _stdin_commands()
-    scripted = [(args.kill_at, "kill 0"), (args.add_at, "add")]
     while thread.is_alive():
-        done = len(trainer.history)
-        for at, command in list(scripted):
-            if at is not None and done >= at:
-                scripted.remove((at, command))
-                commands.append(command)
+        while due:
+            command, done = due.pop(0)
+            _run_command(command, cluster, nodes, args.cpus_per_node)
+            if command == "add":
+                cluster.wait_for_nodes()
+            done.set()
         while commands:
             command = commands.pop(0)
             if command == "quit":
@@ -65,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                 cluster.shutdown()
                 return 1
             _run_command(command, cluster, nodes, args.cpus_per_node)
-        time.sleep(0.1)  # cluster_utils wants add/remove on the main thread: commands wait here
+        time.sleep(0.05)  # cluster_utils wants add/remove on the main thread: commands wait here
     thread.join()
     trainer.close()
     ray.shutdown()

@@ -170,15 +170,23 @@ def _checkpoint(args) -> int:
     from raymp.checkpoint.store import CheckpointError, CheckpointStore, MARKER, filesystem
 
     if args.checkpoint_command == "list":
+        from raymp.checkpoint.integrity import verify
+
         store = CheckpointStore(args.dir)
-        committed = store.committed()
-        for c in committed:
-            layout, pos = c.meta["layout"], c.data_position
-            print(f"{c.path}  step {c.step}  dp={layout['dp']} pp={layout['pp']} tp={layout['tp']} "
-                  f"zero={layout['zero']}  epoch {pos['epoch']} offset {pos['offset']}")
-        for path in store.uncommitted():
-            print(f"{path}  unfinished (no {MARKER}): never loaded, deleted by the next save's prune")
-        if not committed:
+        entries = store.scan()
+        for e in entries:
+            if e.problem:
+                print(f"{e.path}  damaged: {e.problem}")
+            elif e.checkpoint is None:
+                print(f"{e.path}  unfinished (no {MARKER}): never loaded, deleted by the next save's prune")
+            else:
+                c = e.checkpoint
+                layout, pos = c.meta["layout"], c.data_position
+                problems = verify(c)
+                state = f"damaged: {problems[0]}" if problems else "verified" if "files" in c.meta else "unverified (no checksums)"
+                print(f"{c.path}  step {c.step}  dp={layout['dp']} pp={layout['pp']} tp={layout['tp']} "
+                      f"zero={layout['zero']}  epoch {pos['epoch']} offset {pos['offset']}  {state}")
+        if not any(e.checkpoint for e in entries):
             print(f"no committed checkpoint under {args.dir}")
         return 0
     from raymp.checkpoint.export import export, export_hf_dir

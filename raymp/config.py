@@ -261,7 +261,11 @@ class ResourcesConfig(_Strict):
     devices: int | None = Field(None, ge=1, description="total devices; must equal dp*pp*tp")
     cpus_per_actor: float = Field(1, gt=0)
     address: str | None = Field(None, description="Ray address; None: RAY_ADDRESS, else local Ray")
-    placement_timeout_s: float = Field(120, gt=0)
+    placement_timeout_s: float = Field(120, gt=0, description="for the placement groups to be ready")
+    rendezvous_timeout_s: float = Field(
+        120, gt=0, description="for placed actors to start and join the process group")
+    setup_timeout_s: float = Field(
+        600, gt=0, description="for the ranks to build their model part and load a checkpoint")
     collective_timeout_s: float = Field(300, gt=0, description="torch process-group timeout")
 
 
@@ -272,6 +276,8 @@ class CheckpointConfig(_Strict):
     every: int = Field(0, ge=0, description="steps between checkpoints (and one at the end); 0: none")
     keep_last: int = Field(2, ge=1, description="committed checkpoints kept; older ones are deleted")
     async_save: bool = Field(True, description="write in the background; the next steps do not wait")
+    write_timeout_s: float = Field(
+        600, gt=0, description="how long a save may take to reach storage before it is given up")
     resume: str = Field(
         "auto", description="'auto': continue from the latest checkpoint in dir if there is one; "
         "'never': start fresh (error if dir holds checkpoints); or a checkpoint's path",
@@ -284,7 +290,8 @@ class ElasticConfig(_Strict):
     enabled: bool = Field(True, description="restart on fewer devices instead of failing the run")
     max_restarts: int = Field(3, ge=0, description="failures tolerated before the run gives up")
     wait_for_resources_s: float = Field(
-        30, ge=0, description="how long to wait for the lost devices to come back before shrinking dp")
+        30, ge=0, description="how long to wait for room for one replica when the survivors hold none; "
+        "when they can go on (with fewer replicas) they do so at once")
     grow_back: bool = Field(True, description="return to the configured dp at a checkpoint once devices return")
     step_timeout_s: float | None = Field(
         None, gt=0, description="a step taking longer counts as a failure (a hung rank); None: no limit")

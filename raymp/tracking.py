@@ -1,7 +1,13 @@
 """MLflow from the driver only, in batches: one run per training run, never one per rank.
 
-Per-call logging costs 4-11 ms on sqlite and 55-85 ms over HTTP (DESIGN.md), so metrics are
+Per-call logging costs 4-11 ms on sqlite and 55-85 ms over HTTP (docs/design.md), so metrics are
 buffered and written with log_batch every `flush_every` steps.
+
+Each step appears once. MLflow cannot delete a logged point, and an elastic restart redoes the
+steps after the checkpoint it resumes from. So, when the run checkpoints, a step's metrics are
+held back (provisional) until a checkpoint at or after it commits, or the run finishes; a restart
+drops the provisional steps it will redo. The MLflow view lags the progress bar by up to
+checkpoint.every steps for it. A run without checkpoints logs at once (a restart there starts over).
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ class RunTracker:
     """One MLflow run. With `resume_run_id` (a checkpoint's run), that run goes on: a job
     resumed from a checkpoint adds to the same curves instead of starting a second run."""
 
-    def __init__(self, cfg: RunConfig, run_name: str, tags: dict[str, str], resume_run_id: str | None = None):
+    def __init__(self, cfg: RunConfig, run_name: str, tags: dict[str, str], resume_run_id: str | None = None,
+                 provisional: bool = False):
         from mlflow.tracking import MlflowClient
 
         self.uri = cfg.tracking.tracking_uri or default_tracking_uri(cfg.output_dir)
@@ -44,12 +51,18 @@ class RunTracker:
             )
         self.flush_every = cfg.tracking.flush_every
         self._buffer: list = []
+        self.provisional = provisional
+        self._held: dict[int, list] = {}  # step -> metrics not final yet (see the module's docstring)
         self.time_in_mlflow_s = 0.0
         self.finished = False
         self._events = 0
         self.resumed = resume_run_id is not None and self._resumable(resume_run_id)
+        self.previous_restarts = 0  # restarts of earlier drivers of this run (events numbered on)
         if self.resumed:
             self.run_id = resume_run_id
+            before = self.client.get_run(resume_run_id).data.tags
+            self.previous_restarts = int(before.get("raymp.restarts", 0))
+            self._events = int(before.get("raymp.events", 0))
             self.client.update_run(resume_run_id, status="RUNNING")
             self.set_tags(tags)  # params are immutable in MLflow; the layout now is in the tags
         else:
@@ -89,13 +102,30 @@ class RunTracker:
         for i in range(0, len(items), _MAX_PARAMS):
             self._timed(self.client.log_batch, self.run_id, params=items[i : i + _MAX_PARAMS])
 
-    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+    def log_metrics(self, step: int, metrics: dict[str, float], final: bool = False) -> None:
+        """A step's metrics; held back until publish_steps_before() passes the step when the
+        run checkpoints (provisional), unless `final` (an event's metrics, never redone)."""
         from mlflow.entities import Metric
 
         ts = int(time.time() * 1000)
-        self._buffer += [Metric(k, float(v), ts, step) for k, v in metrics.items() if v is not None]
+        points = [Metric(k, float(v), ts, step) for k, v in metrics.items() if v is not None]
+        if self.provisional and not final:
+            self._held.setdefault(step, []).extend(points)
+            return
+        self._buffer += points
         if step % self.flush_every == 0:
             self.flush()
+
+    def publish_steps_before(self, step: int) -> None:
+        """Steps before `step` can no longer be redone (a checkpoint of `step` committed)."""
+        for s in sorted(k for k in self._held if k < step):
+            self._buffer += self._held.pop(s)
+        self.flush()
+
+    def drop_steps_from(self, step: int) -> None:
+        """A restart redoes the steps from `step` on: their held metrics are superseded."""
+        for s in [k for k in self._held if k >= step]:
+            del self._held[s]
 
     def flush(self) -> None:
         while self._buffer:
@@ -129,12 +159,15 @@ class RunTracker:
         self._events += 1
         self.set_tag("raymp.events", str(self._events))
 
-    def finish(self, status: str = "FINISHED") -> None:
-        """End the run once (FINISHED, FAILED or KILLED); later calls do nothing."""
+    def finish(self, status: str = "FINISHED", complete: bool = False) -> None:
+        """End the run once (FINISHED, FAILED or KILLED); later calls do nothing. A `complete`
+        run publishes its held steps; otherwise they are dropped, as a resume redoes them."""
         if self.finished:
             return
         if self._system is not None:
             self._system.finish()
+        if complete:
+            self.publish_steps_before(2**62)
         self.flush()
         self._timed(self.client.set_terminated, self.run_id, status)
         self.finished = True

@@ -24,9 +24,13 @@ from raymp.models import model_args, model_spec
 from raymp.parallel.mesh import ParallelDims
 from raymp.progress import StepProgress
 from raymp.checkpoint.coordinator import CheckpointCoordinator
+from raymp.checkpoint.lineage import Lineage, config_overrides
+from raymp.checkpoint.restore import SETUP_KNOB, restore_newest_intact
 from raymp.checkpoint.store import Checkpoint, CheckpointStore, read_marker
-from raymp.elastic import ElasticError, capacity, largest_valid_dp, wait_for_replicas, with_dp
-from raymp.runtime.actor_group import ActorGroup, PlacementError, WorkerLostError
+from raymp.elastic import with_dp
+from raymp.elastic.controller import ElasticController, FailurePolicy, ScalingPolicy
+from raymp.parallel.mesh import layout_of as _layout_of_parallel, layout_text as _layout_text
+from raymp.runtime.actor_group import ActorGroup, WorkerLostError
 from raymp.runtime.cluster import connect, resolve_device
 
 
@@ -72,9 +76,12 @@ def _stage_args(cfg: RunConfig, vocab_size: int):
 class Trainer:
     def __init__(self, config: RunConfig | str | Path | dict, overrides: list[str] | None = None,
                  *, actor_group: ActorGroup | None = None, progress: bool = True,
-                 data_position: DataPosition | dict | None = None):
+                 data_position: DataPosition | dict | None = None, worker_cls: type | None = None):
+        """`worker_cls` replaces the Worker class of the groups the trainer builds (fault tests
+        inject failing storage this way and still get elastic restarts)."""
         self.config = as_config(config, overrides)
         self._shared_group = actor_group
+        self._worker_cls = worker_cls
         self.group: ActorGroup | None = None
         self.progress_enabled = progress
         self.history: list[dict] = []
@@ -85,9 +92,22 @@ class Trainer:
         self._next_step = 0
         self.start = None  # DataPosition the streams started from
         self._resume_position = data_position
-        self.failures: list[dict] = []  # every lost rank, in order
-        self.restarts: list[dict] = []  # every restart (after a failure, or growing back)
+        self.elastic: ElasticController | None = None
+        # on_event(name, info): ("placed", bundle nodes) while a group is being built, ("step",
+        # steps done) between steps. Runs on the training thread, which waits for it to return:
+        # scripted faults (tests, cluster/local_cluster.py) happen at an exact point of the run.
+        self.on_event = None
         self._say = self._log
+
+    @property
+    def failures(self) -> list[dict]:
+        """Every lost rank, in order (faults while recovering included)."""
+        return self.elastic.failures if self.elastic else []
+
+    @property
+    def restarts(self) -> list[dict]:
+        """Every restart (after a failure, or growing back), as its event."""
+        return self.elastic.restarts if self.elastic else []
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -106,33 +126,55 @@ class Trainer:
         self.device = resolve_device(cfg.resources.device, world)
         if self.device == "cpu" and cfg.optimizer.cpu_offload:
             raise ConfigError(CPU_OFFLOAD_ON_CPU + " (resources.device=auto found no GPUs)")
-        self.target_dp = p.dp
-        resume = self._checkpoint_to_resume()
-        if resume is not None:
-            if self._resume_position is not None:
-                raise ValueError("give a data_position or a checkpoint to resume from, not both "
-                                 "(set checkpoint.resume=never to use the data position)")
-            self._log(f"resuming from {resume.path} (step {resume.step}, saved with "
-                      f"{_layout_text(resume.meta['layout'])})")
-            if resume.step >= cfg.train.steps:
-                self._log(f"that checkpoint already completes train.steps={cfg.train.steps}: nothing to "
-                          "train; raise train.steps to go on, or set checkpoint.resume=never and another "
-                          "checkpoint.dir to start over")
-        self.resumed_from = resume
-        self._launch(resume, self._resume_position)
-        self.initial_position = self.start
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        store = CheckpointStore(self._checkpoint_root(), cfg.checkpoint.keep_last)
+        if cfg.checkpoint.every:
+            store.probe_writable()  # a read-only dir fails now, not at the first save
+        self.lineage = Lineage.open(store, cfg.checkpoint.resume)
+        for entry in store.scan():
+            if entry.problem:
+                self._log(f"checkpoint: step {entry.step} is damaged, passed over: {entry.problem}")
+        if self.lineage.abandoned():
+            self._log(f"checkpoint: rewound to step {self.lineage.rewound_from}: the newer checkpoints of the "
+                      f"abandoned timeline (steps {[c.step for c in self.lineage.abandoned()]}) are never loaded "
+                      "by this run, and move to <checkpoint.dir>/abandoned-<time>/ at its first save")
+        if self.lineage.candidates() and self._resume_position is not None:
+            raise ValueError("give a data_position or a checkpoint to resume from, not both "
+                             "(set checkpoint.resume=never to use the data position)")
+        self.elastic = ElasticController(
+            self, FailurePolicy(cfg.elastic, self._shared_group is not None),
+            ScalingPolicy(p.dp, self.device, local_node_if_local_path(self.data.root), cfg.elastic.grow_back),
+            lambda *a: self._say(*a))
+        resume = self._launch(self._resume_position)
+        if resume is not None:
+            self._said_resume(resume)
+        self.resumed_from = resume
+        self.initial_position = self.start if resume is None else None
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(resolved_dict(self.config), sort_keys=False))
         if cfg.tracking.enabled:
             self._start_tracking(resume)
         self._ready = True
         return self
 
-    def _launch(self, checkpoint: Checkpoint | None, position: DataPosition | dict | None = None) -> None:
-        """Actors for self.config's layout, set up, restored from `checkpoint` (saved under any
-        layout) or at `position`, streams started. Run at set-up and again after each restart."""
+    def _said_resume(self, resume: Checkpoint) -> None:
+        """One line on what a resume restores, and each setting the config changes against it."""
         cfg = self.config
-        p = cfg.parallel
+        self._log(f"resuming from {resume.path} (step {resume.step}, saved with "
+                  f"{_layout_text(resume.meta['layout'])}): weights, optimizer state, LR schedule position "
+                  "and data position restored")
+        for change in config_overrides(resume.meta.get("config", {}), cfg):
+            self._log(f"resume: the config's {change}")
+        if resume.step >= cfg.train.steps:
+            self._log(f"that checkpoint already completes train.steps={cfg.train.steps}: nothing to "
+                      "train; raise train.steps to go on, or set checkpoint.resume=never and another "
+                      "checkpoint.dir to start over")
+
+    def _launch(self, position: DataPosition | dict | None = None) -> Checkpoint | None:
+        """Actors for self.config's layout, set up, restored from the lineage's newest intact
+        state (saved under any layout) or, if it has none, started at `position`; streams
+        started. Run at set-up and again after each restart. Returns the checkpoint restored."""
+        cfg = self.config
+        p, r = cfg.parallel, cfg.resources
         self.dims = ParallelDims(p.dp, p.pp, p.tp)
         if self._shared_group is not None:
             if self._shared_group.world_size != self.dims.world_size:
@@ -144,19 +186,25 @@ class Trainer:
             self.group.check_tp_groups_share_nodes(self.dims.tp)
         else:
             self.group = ActorGroup(
-                self.dims.world_size, self.device, cfg.resources.cpus_per_actor,
-                cfg.resources.placement_timeout_s, cfg.resources.collective_timeout_s,
-                tp_size=self.dims.tp,
+                self.dims.world_size, self.device, r.cpus_per_actor, r.placement_timeout_s,
+                r.collective_timeout_s, tp_size=self.dims.tp, rendezvous_timeout_s=r.rendezvous_timeout_s,
+                on_event=self.on_event, **({"worker_cls": self._worker_cls} if self._worker_cls else {}),
             )
         # The driver decides the split (and records it in config.yaml and the MLflow params).
         self.config = cfg = with_stage_split(cfg, self.data.vocab_size)
         self._estimate_memory(cfg)
-        infos = self.group.call("setup", resolved_dict(cfg), self.data.vocab_size)
+
+        def set_up():
+            return self.group.call("setup", resolved_dict(cfg), self.data.vocab_size,
+                                   timeout_s=r.setup_timeout_s, knob=SETUP_KNOB)
+
+        infos = set_up()
         self.setup_info = infos  # per rank: coords, stages, parameters, setup_peak_bytes
         self.checkpoints = self._checkpoint_coordinator()
-        if checkpoint is not None:
-            self.group.call("load_checkpoint", checkpoint.path)
-            position = checkpoint.data_position
+        restored = restore_newest_intact(self.group, self.lineage.candidates(), set_up, self._say,
+                                         r.setup_timeout_s)
+        if restored is not None:
+            position = restored.data_position
         start = self._checked_position(position) if position is not None else \
             DataPosition.at(0, 0, self.order, cfg.seed, self.data.identity)
         self._start_streams(start)
@@ -166,6 +214,7 @@ class Trainer:
         if self.dims.pp > 1:
             stages = {s: layers for per_rank in self._stages_by_rank for s, layers in per_rank.items()}
             self.stage_layers = [stages[s] for s in sorted(stages)]
+        return restored
 
     def _start_tracking(self, resume: Checkpoint | None) -> None:
         """The run's MLflow run: a new one, or the one a resumed checkpoint (or
@@ -177,10 +226,13 @@ class Trainer:
         cfg = self.config
         # checkpoint.resume=auto continues this run, so its MLflow run goes on; a checkpoint named
         # by path may be another run's (a warm start), which gets a run of its own.
-        continuing = resume is not None and cfg.checkpoint.resume == "auto"
+        record = (resume.meta.get("lineage") or {}) if resume is not None else {}
+        continuing = resume is not None and (
+            record["id"] == self.lineage.id if record.get("id") else cfg.checkpoint.resume == "auto")
         previous = (resume.meta.get("mlflow") or {}) if continuing else {}
         run_id = cfg.tracking.resume_run_id or previous.get("run_id")
-        self.tracker = RunTracker(cfg, self.run_name, self._tags(), resume_run_id=run_id)
+        self.tracker = RunTracker(cfg, self.run_name, self._tags(), resume_run_id=run_id,
+                                  provisional=cfg.checkpoint.every > 0)
         if cfg.tracking.resume_run_id and not self.tracker.resumed:
             raise ConfigError(f"tracking.resume_run_id {run_id!r} is not a run of experiment "
                               f"{cfg.tracking.experiment!r} in {self.tracker.uri}; check the id (raymp runs)")
@@ -205,7 +257,7 @@ class Trainer:
             if latest is not None:
                 self.tracker.set_tags({"raymp.checkpoint": latest.path, "raymp.checkpoint_step": str(latest.step)})
         finally:
-            self.tracker.finish(status)
+            self.tracker.finish(status, complete=self.global_step >= self.config.train.steps)
 
     def _log(self, *args) -> None:
         if self.progress_enabled:
@@ -218,20 +270,8 @@ class Trainer:
 
     def _checkpoint_coordinator(self) -> CheckpointCoordinator:
         c = self.config.checkpoint
-        return CheckpointCoordinator(CheckpointStore(self._checkpoint_root(), c.keep_last), c.every,
-                                     c.async_save, self._log)
-
-    def _checkpoint_to_resume(self) -> Checkpoint | None:
-        c = self.config.checkpoint
-        if c.resume not in ("auto", "never"):
-            return read_marker(c.resume)
-        latest = CheckpointStore(self._checkpoint_root(), c.keep_last).latest()
-        if latest is not None and c.resume == "never":
-            raise ConfigError(
-                f"checkpoint.dir {self._checkpoint_root()} already holds checkpoints (latest: step "
-                f"{latest.step}) and checkpoint.resume is 'never'; set checkpoint.resume=auto to "
-                "continue that run, or choose another checkpoint.dir")
-        return latest
+        return CheckpointCoordinator(self.lineage, c.every, c.async_save, lambda *a: self._say(*a),
+                                     c.write_timeout_s)
 
     def _checkpoint_meta(self) -> dict:
         import raymp
@@ -252,7 +292,7 @@ class Trainer:
         committed (fit() saves every checkpoint.every steps by itself)."""
         self.setup()
         self.checkpoints.start(self.group, self.global_step, self._checkpoint_meta())
-        checkpoint = self.checkpoints.finish(self.group)
+        checkpoint = self._committed(self.checkpoints.finish(self.group))
         if checkpoint is None:
             raise RuntimeError(f"the checkpoint of step {self.global_step} was not committed: "
                                f"{self.checkpoints.failed[-1][1]}")
@@ -263,19 +303,28 @@ class Trainer:
         state, LR schedule and data position."""
         self.setup()
         checkpoint = read_marker(checkpoint) if isinstance(checkpoint, str) else checkpoint
-        self.group.call("load_checkpoint", checkpoint.path)
+        restore_newest_intact(self.group, [checkpoint], lambda: None, self._say,
+                              self.config.resources.setup_timeout_s)
         self._start_streams(self._checked_position(checkpoint.data_position))
         self.history = [m for m in self.history if m["step"] < self.global_step]
 
     def _checkpoint_after_step(self, per_rank: list[dict], metrics: dict) -> None:
-        committed = self.checkpoints.collect([r.pop("checkpoint", None) for r in per_rank])
-        if committed is not None:
-            metrics["checkpoint_committed"] = committed.step
+        self._committed(self.checkpoints.collect([r.pop("checkpoint", None) for r in per_rank]), metrics)
         if self.checkpoints.due(self.global_step, self.config.train.steps):
             cost = self.checkpoints.start(self.group, self.global_step, self._checkpoint_meta())
             metrics["checkpoint_blocked_s"] = cost["blocked_s"]
-            if self._can_grow():
-                self._grow(self.checkpoints.finish(self.group))
+            if self.elastic.scaling.grow_to(self.config) is not None and self._shared_group is None:
+                if self._committed(self.checkpoints.finish(self.group), metrics):
+                    self.elastic.grow()  # a checkpoint to grow from: the one just committed
+
+    def _committed(self, checkpoint: Checkpoint | None, metrics: dict | None = None) -> Checkpoint | None:
+        """A commit makes the steps before it final: their metrics go to MLflow."""
+        if checkpoint is not None:
+            if metrics is not None:
+                metrics["checkpoint_committed"] = checkpoint.step
+            if self.tracker is not None:
+                self.tracker.publish_steps_before(checkpoint.step)
+        return checkpoint
 
     # -- data -------------------------------------------------------------------------------
 
@@ -557,8 +606,10 @@ class Trainer:
             while self.global_step < target:
                 try:
                     bar.update(self.step())
+                    if self.on_event is not None:
+                        self.on_event("step", {"done": self.global_step})
                 except WorkerLostError as lost:
-                    self._recover(lost, bar)
+                    self.elastic.recover(lost)
             self._finish_checkpoint()
             status = "FINISHED"
         except KeyboardInterrupt:
@@ -576,109 +627,44 @@ class Trainer:
         return self.history
 
     def _finish_checkpoint(self, best_effort: bool = False) -> None:
+        """Commit the save in flight. A save that fails is reported (checkpoint.failed, a log
+        line) and never fails a run whose steps all finished."""
         if self.group is None or self.checkpoints.pending is None:
             return
         try:
-            self.checkpoints.finish(self.group)
+            self._committed(self.checkpoints.finish(self.group))
         except Exception:
             if not best_effort:
                 raise
 
-    # -- elastic restarts -----------------------------------------------------------------
+    # -- elastic restarts: the run interface the controller drives (raymp/elastic/controller.py) --
 
-    def _recover(self, lost: WorkerLostError, bar) -> None:
-        """A rank is lost: tear the group down, re-plan for what is left (same pp x tp, dp as
-        fits, global batch kept), restore the last committed checkpoint, and go on."""
-        el = self.config.elastic
-        if not el.enabled or self._shared_group is not None:
-            why = ("elastic.enabled is false" if not el.enabled else
-                   "the actor group was passed in (Trainer(actor_group=...)), so the driver cannot replace it")
-            raise WorkerLostError(f"{lost}; the run stopped ({why})", lost.rank, lost.kind, lost.step) from lost
-        detected = time.time()
-        while True:
-            self.failures.append({"step": lost.step, "kind": lost.kind, "message": str(lost), "at": time.time()})
-            if len(self.failures) > el.max_restarts:
-                self.checkpoints.abandon()  # committed if its shards all made it to storage
-                self._teardown_group()
-                raise ElasticError(
-                    f"giving up after {len(self.failures)} failures (elastic.max_restarts={el.max_restarts}): "
-                    + "; ".join(f["message"] for f in self.failures)
-                    + ". Resume later from the last checkpoint with checkpoint.resume=auto") from lost
-            bar.print(f"elastic: {lost}; restarting ({len(self.failures)}/{el.max_restarts})")
-            try:
-                event = self._restart("failure", lost)
-                break
-            except (WorkerLostError, PlacementError) as again:
-                lost = WorkerLostError(f"while restarting: {again}", getattr(again, "rank", None),
-                                       getattr(again, "kind", "placement"), lost.step)
-        event["detected_at"] = detected
-        self._record_restart(event, bar.print)
+    def abandon_save(self):
+        return self.checkpoints.abandon()
 
-    def _restart(self, reason: str, lost: WorkerLostError | None = None,
-                 checkpoint: Checkpoint | None = None) -> dict:
-        t0 = time.perf_counter()
-        before = _layout_of(self.config)
-        abandoned, salvaged = self.checkpoints.abandon() if lost is not None else (None, None)
+    def teardown(self) -> None:
         self._teardown_group()
-        if checkpoint is None:
-            checkpoint = self.checkpoints.store.latest()
-        t_down = time.perf_counter()
-        if reason == "grow":
-            dp, waited = self._grow_target, 0.0
-        else:
-            node = local_node_if_local_path(self.data.root)
-            dp, waited, _ = wait_for_replicas(self.config, self.target_dp, self.device, node, self._log)
+
+    def relaunch(self, dp: int) -> Checkpoint | None:
+        """The run again with `dp` replicas, from the lineage's newest intact state."""
         self.config = with_dp(self.config, dp)
-        t_plan = time.perf_counter()
-        if checkpoint is None:
-            self._launch(None, self.initial_position)
-        else:
-            self._launch(checkpoint)
-        t_up = time.perf_counter()
+        restored = self._launch(None if self.lineage.candidates() else self.initial_position)
         self.history = [m for m in self.history if m["step"] < self.global_step]
-        return {
-            "reason": reason, "failed_step": lost.step if lost else None, "kind": lost.kind if lost else None,
-            "message": str(lost) if lost else None, "checkpoint_in_flight": abandoned,
-            "checkpoint_in_flight_committed": salvaged is not None,
-            "resumed_step": self.global_step, "checkpoint": checkpoint.path if checkpoint else None,
-            "layout_before": before, "layout_after": _layout_of(self.config),
-            "teardown_s": t_down - t0, "wait_for_resources_s": waited, "plan_s": t_plan - t_down - waited,
-            "launch_and_restore_s": t_up - t_plan, "restart_s": t_up - t0,
-        }
+        return restored
 
-    def _record_restart(self, event: dict, say) -> None:
-        self.restarts.append(event)
-        steps_lost = (event["failed_step"] - event["resumed_step"]) if event["failed_step"] is not None else 0
-        say(
-            f"elastic: {event['reason']} restart {len(self.restarts)}: "
-            f"{_layout_text(event['layout_before'])} -> {_layout_text(event['layout_after'])}, resumed at step "
-            f"{event['resumed_step']} ({event['checkpoint'] or 'no checkpoint: from the start'}), "
-            f"{steps_lost} step(s) to redo, {event['restart_s']:.1f}s to restart")
-        if self.tracker is not None:
-            self.tracker.log_event(f"restart-{len(self.restarts)}", event, event["resumed_step"])
-            self.tracker.set_tags({"raymp.layout": _layout_text(event["layout_after"], short=True),
-                                   "raymp.dp": str(self.config.parallel.dp),
-                                   "raymp.restarts": str(len(self.restarts))})
-            self.tracker.log_metrics(event["resumed_step"], {
-                "elastic_restarts": len(self.restarts), "elastic_dp": self.config.parallel.dp,
-                "elastic_restart_s": event["restart_s"]})
-
-    def _can_grow(self) -> bool:
-        """Below the configured dp, a checkpoint is the moment to grow back if devices returned."""
-        cfg = self.config
-        if (self._shared_group is not None or not cfg.elastic.enabled or not cfg.elastic.grow_back
-                or cfg.parallel.dp >= self.target_dp):
-            return False
-        node = local_node_if_local_path(self.data.root)
-        cap = capacity(cfg, self.device, node, cfg.data.stream_cpus)
-        dp = largest_valid_dp(cfg, min(cap.replicas, self.target_dp))
-        self._grow_target = dp
-        return dp is not None and dp > cfg.parallel.dp
-
-    def _grow(self, checkpoint: Checkpoint | None) -> None:
-        if checkpoint is None:  # the save failed: grow at the next one
+    def on_restart(self, event: dict) -> None:
+        """A restart is recorded: redone steps leave the MLflow record, and the event is logged,
+        numbered after the restarts of earlier drivers of the same run."""
+        if self.tracker is None:
             return
-        self._record_restart(self._restart("grow", checkpoint=checkpoint), self._say)
+        self.tracker.drop_steps_from(event["resumed_step"])
+        number = self.tracker.previous_restarts + len(self.restarts)
+        self.tracker.log_event(f"restart-{number}", event, event["resumed_step"])
+        self.tracker.set_tags({"raymp.layout": _layout_text(event["layout_after"], short=True),
+                               "raymp.dp": str(self.config.parallel.dp), "raymp.restarts": str(number)})
+        self.tracker.log_metrics(event["resumed_step"], {
+            "elastic_restarts": number, "elastic_dp": self.config.parallel.dp,
+            "elastic_restart_s": event["restart_s"]}, final=True)
 
     def _teardown_group(self) -> None:
         if self.group is not None and self.group is not self._shared_group:
@@ -787,7 +773,7 @@ class Trainer:
                 self._finish_checkpoint(best_effort=True)  # a lost rank: the save stays uncommitted
         finally:
             if self.tracker is not None:
-                self.tracker.finish("FINISHED")
+                self.tracker.finish("FINISHED", complete=self.global_step >= self.config.train.steps)
             self._teardown_group()
             self._ready = False
 
@@ -829,14 +815,7 @@ def _git_commit() -> str | None:
 
 
 def _layout_of(cfg: RunConfig) -> dict:
-    p = cfg.parallel
-    return {"dp": p.dp, "pp": p.pp, "tp": p.tp, "zero": p.zero, "world_size": p.dp * p.pp * p.tp}
-
-
-def _layout_text(layout: dict, short: bool = False) -> str:
-    if short:
-        return f"dp{layout['dp']}-pp{layout['pp']}-tp{layout['tp']}-zero{layout['zero']}"
-    return f"dp={layout['dp']} pp={layout['pp']} tp={layout['tp']} zero={layout['zero']}"
+    return _layout_of_parallel(cfg.parallel)
 
 
 def _default_run_name(cfg: RunConfig) -> str:

@@ -45,3 +45,67 @@ class HangingWorker(Worker):
         if step == hang_step and self.rank == rank:
             time.sleep(seconds)
         return super().train_step(step)
+
+
+class FailingStorageWorker(Worker):
+    """From step `step`'s checkpoint on, rank `rank`'s storage is full: each write leaves half a
+    file and fails with ENOSPC, as a full disk does. fill_disk_from(None, None) empties it."""
+
+    def fill_disk_from(self, step, rank) -> None:
+        import errno
+        from pathlib import Path
+
+        if not hasattr(self, "_plain_writer"):
+            self._plain_writer = self.checkpointer.writer_factory
+        make_writer = self._plain_writer
+        if step is None or self.rank != rank:
+            self.checkpointer.writer_factory = make_writer
+            return
+
+        def writer_factory(path: str):
+            writer = make_writer(path)
+            if int(path.rstrip("/").rsplit("-", 1)[-1]) >= step:
+                def write_then_fill_up(plan, planner):
+                    Path(path, f"__{self.rank}_0.distcp").write_bytes(b"\0" * 4096)
+                    raise OSError(errno.ENOSPC, "No space left on device")
+
+                writer.write_data = write_then_fill_up
+            return writer
+
+        self.checkpointer.writer_factory = writer_factory
+
+
+class SlowStorageWorker(Worker):
+    """From step `step`'s checkpoint on, every write takes `seconds` longer."""
+
+    def slow_writes_from(self, step: int, seconds: float) -> None:
+        make_writer = self.checkpointer.writer_factory
+
+        def writer_factory(path: str):
+            writer = make_writer(path)
+            if int(path.rstrip("/").rsplit("-", 1)[-1]) >= step:
+                write_data = writer.write_data
+
+                def slow_write(plan, planner):
+                    time.sleep(seconds)
+                    return write_data(plan, planner)
+
+                writer.write_data = slow_write
+            return writer
+
+        self.checkpointer.writer_factory = writer_factory
+
+
+class NeverJoinsWorker(Worker):
+    """Never joins the process group, as an actor stuck starting up would not."""
+
+    def init_distributed(self, *args) -> None:
+        time.sleep(300)
+
+
+class SlowSetupWorker(Worker):
+    """Builds its model part far slower than resources.setup_timeout_s allows."""
+
+    def setup(self, *args) -> dict:
+        time.sleep(300)
+        return {}

@@ -125,7 +125,9 @@ def test_async_save_is_a_snapshot(tmp_path):
         before = weight.clone()
         checkpointer.write(host_copy({"model.w": weight}), str(tmp_path / "a"), 1, async_save=True)
         weight.add_(1.0)  # the next optimizer step, in place
-        assert checkpointer.wait() == {"step": 1, "error": None}
+        report = checkpointer.wait()
+        assert report["step"] == 1 and report["error"] is None
+        assert sorted(report["files"]) == [".metadata", "__0_0.distcp"]  # hashed for the marker
         loaded = {"model.w": torch.zeros_like(weight)}
         dcp.load(loaded, checkpoint_id=str(tmp_path / "a"), no_dist=True)
         assert torch.equal(loaded["model.w"], before)

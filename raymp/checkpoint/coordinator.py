@@ -4,9 +4,10 @@ so committing costs no extra call; the marker goes on last (see store.py)."""
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 
+from raymp.checkpoint.integrity import directory_files
+from raymp.checkpoint.lineage import Lineage
 from raymp.checkpoint.store import Checkpoint, CheckpointStore
 
 
@@ -17,11 +18,15 @@ class PendingSave:
     meta: dict
     world_size: int
     reported: dict = field(default_factory=dict)  # rank -> error or None
+    files: dict = field(default_factory=dict)  # file name -> sha256, from every rank
 
 
 class CheckpointCoordinator:
-    def __init__(self, store: CheckpointStore, every: int, async_save: bool, log=print):
-        self.store, self.every, self.async_save, self.log = store, every, async_save, log
+    def __init__(self, lineage: Lineage, every: int, async_save: bool, log=print,
+                 write_timeout_s: float | None = None):
+        self.store, self.every, self.async_save, self.log = lineage.store, every, async_save, log
+        self.lineage = lineage  # recorded in every marker
+        self.write_timeout_s = write_timeout_s
         self.pending: PendingSave | None = None
         self.committed: list[Checkpoint] = []
         self.failed: list[tuple[int, str]] = []
@@ -34,6 +39,10 @@ class CheckpointCoordinator:
         long the ranks were blocked (max over ranks): the cost the step loop sees."""
         if self.pending is not None:
             self.finish(group)  # commits in order: one save in flight at a time
+        moved = self.lineage.before_save()
+        if moved:
+            self.log(f"checkpoint: {len(moved)} checkpoint(s) of the timeline this run rewound from moved "
+                     f"aside, never loaded by it: {moved[0].rsplit('/', 1)[0]}")
         path = self.store.prepare(steps_done)
         reports = group.call("save_checkpoint", path, steps_done, self.async_save)
         self.pending = PendingSave(steps_done, path, meta, group.world_size)
@@ -48,6 +57,7 @@ class CheckpointCoordinator:
         for rank, report in enumerate(reports):
             if report is not None and report["step"] == pending.step:
                 pending.reported[rank] = report["error"]
+                pending.files.update(report.get("files") or {})
         if len(pending.reported) < pending.world_size:
             return None
         self.pending = None
@@ -56,18 +66,28 @@ class CheckpointCoordinator:
             # Not fatal: the previous checkpoint stays committed and the next save tries again.
             rank, error = next(iter(errors.items()))
             self.failed.append((pending.step, error))
-            warnings.warn(f"checkpoint of step {pending.step} failed on {len(errors)} rank(s) "
-                          f"(rank {rank}: {error}); it was not committed, {self._latest_text()}")
+            removed = self.store.discard(pending.step)
+            self.log(f"checkpoint of step {pending.step} failed on {len(errors)} rank(s) (rank {rank}: "
+                     f"{error.splitlines()[0][:300]}); not committed"
+                     + (", its partial directory removed" if removed else "") + f"; {self._latest_text()}")
             return None
-        checkpoint = self.store.commit(pending.step, pending.meta)
+        checkpoint = self.store.commit(pending.step, {**pending.meta, "lineage": self.lineage.record()}, pending.files)
         self.committed.append(checkpoint)
         return checkpoint
 
     def finish(self, group) -> Checkpoint | None:
-        """Wait for the save in flight and commit it."""
+        """Wait for the save in flight (at most checkpoint.write_timeout_s) and commit it."""
         if self.pending is None:
             return None
-        return self.collect(group.call("wait_checkpoint"))
+        reports = group.call("wait_checkpoint", self.write_timeout_s)
+        if any(r is not None and r.get("timeout") for r in reports):
+            step = self.pending.step
+            self.pending = None
+            self.failed.append((step, "timeout"))
+            self.log(f"checkpoint of step {step} was still writing after {self.write_timeout_s:g}s "
+                     f"(checkpoint.write_timeout_s): not committed; {self._latest_text()}")
+            return None
+        return self.collect(reports)
 
     def abandon(self) -> tuple[int | None, Checkpoint | None]:
         """The ranks of the save in flight are gone. If DCP's index (.metadata) is on storage,
@@ -78,7 +98,9 @@ class CheckpointCoordinator:
         if pending is None:
             return None, None
         if self.store.has_index(pending.step):
-            checkpoint = self.store.commit(pending.step, pending.meta)
+            # The lost ranks cannot report checksums: hash what is on storage now.
+            files = directory_files(self.store.path_for(pending.step))
+            checkpoint = self.store.commit(pending.step, {**pending.meta, "lineage": self.lineage.record()}, files)
             self.committed.append(checkpoint)
             return pending.step, checkpoint
         return pending.step, None

@@ -23,10 +23,12 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from raymp.checkpoint.integrity import rank_files
 from raymp.checkpoint.store import CheckpointError, storage_reader, storage_writer
 
 TIED_HEAD, EMBEDDING = "output.weight", "tok_embeddings.weight"
@@ -155,36 +157,60 @@ class RankCheckpointer:
         return {"wait_s": waited, "stage_s": staged, "blocked_s": time.perf_counter() - t0}
 
     def write(self, sd: dict, path: str, step: int, async_save: bool) -> None:
-        """Write a host-copied state dict (see host_copy), in the background if async_save."""
+        """Write a host-copied state dict (see host_copy), in the background if async_save, then
+        hash the files this rank wrote (integrity.py) in the same background thread."""
         import torch.distributed.checkpoint as dcp
 
+        done: Future = Future()
+
+        def hash_files(written: Future) -> None:
+            try:
+                written.result()
+                done.set_result(rank_files(path, self.rank))
+            except BaseException as exc:  # torch's CheckpointException is a BaseException
+                done.set_exception(_as_error(exc))
+
         writer = self.writer_factory(path)
+        self.pending = (step, done)
         if async_save:
-            future = dcp.async_save(sd, storage_writer=writer, process_group=self.group,
-                                    async_stager=_AlreadyStaged())
-            self.pending = (step, getattr(future, "upload_completion", future))
-        else:
+            try:
+                future = dcp.async_save(sd, storage_writer=writer, process_group=self.group,
+                                        async_stager=_AlreadyStaged())
+                future = getattr(future, "upload_completion", future)
+            except BaseException as exc:
+                future = _failed(exc)
+            future.add_done_callback(hash_files)
+            return
+        try:
             dcp.save(sd, storage_writer=writer, process_group=self.group)
-            done = Future()
-            done.set_result(None)
-            self.pending = (step, done)
+            written = Future()
+            written.set_result(None)
+        except BaseException as exc:
+            written = _failed(exc)
+        hash_files(written)
 
     def poll(self) -> dict | None:
-        """The finished save's step (and its error, if it failed), or None while none finished."""
+        """The finished save's step, the checksums of the files this rank wrote, and its error
+        if it failed; None while none finished."""
         if self.pending is None or not self.pending[1].done():
             return None
         step, future = self.pending
         self.pending = None
         error = future.exception()
-        return {"step": step, "error": None if error is None else f"{type(error).__name__}: {error}"}
+        if error is not None:
+            return {"step": step, "error": f"{type(error).__name__}: {error}", "files": {}}
+        return {"step": step, "error": None, "files": future.result()}
 
-    def wait(self) -> dict | None:
-        """Block until the save in flight (if any) is on storage; its poll() report."""
+    def wait(self, timeout_s: float | None = None) -> dict | None:
+        """Block until the save in flight (if any) is on storage, at most `timeout_s`; its poll()
+        report, or {"step", "timeout": True} while it is still writing then."""
         if self.pending is None:
             return None
         try:
-            self.pending[1].result()
-        except Exception:  # reported by poll()
+            self.pending[1].result(timeout=timeout_s)
+        except FutureTimeout:
+            return {"step": self.pending[0], "timeout": True}
+        except BaseException:  # reported by poll()
             pass
         return self.poll()
 
@@ -216,7 +242,10 @@ class RankCheckpointer:
             if key in saved and self._same_world(saved):
                 rng[kind] = sd[key] = torch.empty(saved[key].size, dtype=torch.uint8)
         with torch.no_grad():
-            dcp.load(sd, storage_reader=reader, process_group=self.group)
+            try:
+                dcp.load(sd, storage_reader=reader, process_group=self.group)
+            except BaseException as exc:  # CheckpointException is a BaseException
+                raise CheckpointError(f"checkpoint {path} could not be read: {_as_error(exc)}") from None
             for tensors in model.values():  # aliases (a tied head) take the loaded value
                 first = tensors[0][0]
                 for other, _ in tensors[1:]:
@@ -225,9 +254,7 @@ class RankCheckpointer:
         for key, (params, state) in optim_targets.items():
             for i, param in enumerate(params):
                 optim.state[param] = state if i == 0 else {k: v.clone() for k, v in state.items()}
-        for group, hyper in zip(engine.optimizer.param_groups, json.loads(sd["optim.param_groups"])):
-            group.update({k: tuple(v) if k == "betas" else v for k, v in hyper.items()})
-        scheduler.load_state_dict(json.loads(sd["scheduler"]))
+        restore_schedule_position(scheduler, json.loads(sd["scheduler"]))
         if "torch" in rng:
             torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():
@@ -262,6 +289,38 @@ class RankCheckpointer:
             if state:
                 targets[key] = ([param], state)
         return targets
+
+
+def restore_schedule_position(scheduler, saved: dict) -> None:
+    """Take the saved schedule's position (steps taken) and nothing else: the optimizer's
+    hyperparameters and the schedule's shape (lr, betas, eps, weight decay, warmup, total steps)
+    are the config's, so a warm start with a changed optimizer.lr trains with that lr. A resume
+    with an unchanged config gets exactly the saved values back."""
+    scheduler.last_epoch = saved["last_epoch"]
+    scheduler._step_count = saved.get("_step_count", saved["last_epoch"] + 1)
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
+
+
+def _failed(exc: BaseException) -> Future:
+    future: Future = Future()
+    future.set_exception(_as_error(exc))
+    return future
+
+
+def _as_error(exc: BaseException) -> Exception:
+    """torch.distributed.checkpoint's CheckpointException derives from BaseException: wrap it,
+    so a failed save (a full disk) is an error to report, never an exit of the process."""
+    failures = getattr(exc, "failures", None)  # CheckpointException: {rank: the rank's error}
+    if failures:
+        rank, failure = next(iter(failures.items()))
+        inner = failure[0] if isinstance(failure, tuple) else failure  # (exception, its stack)
+        return CheckpointError(f"on rank {rank}: {type(inner).__name__}: {inner}")
+    if isinstance(exc, Exception):
+        return exc
+    return CheckpointError(f"{type(exc).__name__}: {str(exc)[:500]}")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

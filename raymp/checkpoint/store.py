@@ -3,7 +3,8 @@ file that the driver writes last, after every rank's shards are on storage.
 
     <dir>/step-00000040/__0_0.distcp ...   the ranks' shards (torch.distributed.checkpoint)
     <dir>/step-00000040/.metadata          DCP's index, written by its coordinator
-    <dir>/step-00000040/raymp.json         the commit marker: step, data position, layout, run
+    <dir>/step-00000040/raymp.json         the commit marker: step, data position, layout, run,
+                                           lineage, and a sha256 of every file above
 
 A directory without raymp.json is a write that never finished (a crash, a lost node, a killed
 job): it is never loaded, and is deleted by the next prune. The marker itself is written to a
@@ -82,9 +83,23 @@ def read_marker(path: str) -> Checkpoint:
     if not fs.exists(marker):
         state = "does not exist" if not fs.exists(root) else "was never committed (no raymp.json: its write did not finish)"
         raise CheckpointError(f"checkpoint {path} {state}; pass a committed one (raymp checkpoint list DIR)")
-    with fs.open(marker, "r") as f:
-        meta = json.load(f)
-    return Checkpoint(str(path), int(meta["step"]), meta)
+    try:
+        with fs.open(marker, "r") as f:
+            meta = json.load(f)
+        return Checkpoint(str(path), int(meta["step"]), meta)
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        raise CheckpointError(f"checkpoint {path}: its commit marker {MARKER} is damaged "
+                              f"({type(exc).__name__}: {exc}); it is never loaded") from exc
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A step directory: committed (`checkpoint`), unfinished (neither), or damaged (`problem`)."""
+
+    step: int
+    path: str
+    checkpoint: Checkpoint | None = None
+    problem: str | None = None
 
 
 class CheckpointStore:
@@ -111,16 +126,68 @@ class CheckpointStore:
                 out.append((int(m.group(1)), name, committed))
         return sorted(out)
 
+    def scan(self) -> list[Entry]:
+        """Every step directory, oldest first; a marker that cannot be read makes it damaged."""
+        out = []
+        for step, name, ok in self._entries():
+            path = f"{self.root}/{name}"
+            if not ok:
+                out.append(Entry(step, path))
+                continue
+            try:
+                out.append(Entry(step, path, read_marker(path)))
+            except CheckpointError as exc:
+                out.append(Entry(step, path, problem=str(exc)))
+        return out
+
     def committed(self) -> list[Checkpoint]:
-        """Committed checkpoints, oldest first."""
-        return [read_marker(f"{self.root}/{name}") for _, name, ok in self._entries() if ok]
+        """Committed checkpoints whose marker reads, oldest first (files not verified here)."""
+        return [e.checkpoint for e in self.scan() if e.checkpoint is not None]
 
     def uncommitted(self) -> list[str]:
         return [f"{self.root}/{name}" for _, name, ok in self._entries() if not ok]
 
     def latest(self) -> Checkpoint | None:
-        done = [(step, name) for step, name, ok in self._entries() if ok]
-        return read_marker(f"{self.root}/{done[-1][1]}") if done else None
+        done = self.committed()
+        return done[-1] if done else None
+
+    def probe_writable(self) -> None:
+        """Create the directory and write, read back and delete a small file: a read-only or
+        unreachable checkpoint.dir fails here, before any actor starts, not at the first save."""
+        probe = f"{self._root}/.raymp-write-probe"
+        try:
+            self.fs.makedirs(self._root, exist_ok=True)
+            with self.fs.open(probe, "w") as f:
+                f.write("ok")
+            self.fs.rm(probe)
+        except (OSError, PermissionError, ValueError) as exc:
+            raise CheckpointError(
+                f"checkpoint.dir {self.root} is not writable ({type(exc).__name__}: {exc}); choose a "
+                "directory this user can write, or fix its permissions") from exc
+
+    def discard(self, step: int) -> bool:
+        """Delete what a failed save of `step` left behind (never a committed checkpoint)."""
+        _, inner = filesystem(self.path_for(step))
+        if not self.fs.exists(inner) or self.fs.exists(f"{inner}/{MARKER}"):
+            return False
+        try:
+            self.fs.rm(inner, recursive=True)
+        except OSError:
+            return False
+        return True
+
+    def set_aside(self, after_step: int, label: str) -> list[str]:
+        """Move every step directory newer than `after_step` (committed or not) under
+        `<dir>/abandoned-<label>/`: a rewind keeps the abandoned timeline's checkpoints, but out
+        of this directory, so no later restart or resume of this lineage can load them."""
+        moved = []
+        aside = f"{self._root}/abandoned-{label}"
+        for step, name, _ in self._entries():
+            if step > after_step:
+                self.fs.makedirs(aside, exist_ok=True)
+                self.fs.mv(f"{self._root}/{name}", f"{aside}/{name}", recursive=True)
+                moved.append(f"{self.root}/abandoned-{label}/{name}")
+        return moved
 
     def prepare(self, step: int) -> str:
         """A clean directory for step's checkpoint (a leftover of an unfinished write is removed)."""
@@ -138,11 +205,14 @@ class CheckpointStore:
         _, inner = filesystem(self.path_for(step))
         return self.fs.exists(f"{inner}/.metadata")
 
-    def commit(self, step: int, meta: dict) -> Checkpoint:
-        """Write the marker (whole or not at all), then delete what keep_last no longer keeps."""
+    def commit(self, step: int, meta: dict, files: dict[str, str] | None = None) -> Checkpoint:
+        """Write the marker (whole or not at all), then delete what keep_last no longer keeps.
+        `files` ({name: sha256}, from the ranks) lets a later load verify every byte."""
         path = self.path_for(step)
         _, inner = filesystem(path)
         meta = {"step": step, "committed_at": time.time(), **meta}
+        if files is not None:
+            meta["files"] = files
         tmp = f"{inner}/{MARKER}.tmp"
         with self.fs.open(tmp, "w") as f:
             json.dump(meta, f, indent=1, sort_keys=True)

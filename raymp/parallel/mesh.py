@@ -32,3 +32,15 @@ class ParallelDims:
         return init_device_mesh(
             device_type, (self.dp, self.pp, self.tp), mesh_dim_names=("dp", "pp", "tp")
         )
+
+
+def layout_of(parallel) -> dict:
+    """A run's layout as recorded in checkpoints, restart events and MLflow (from ParallelConfig)."""
+    p = parallel
+    return {"dp": p.dp, "pp": p.pp, "tp": p.tp, "zero": p.zero, "world_size": p.dp * p.pp * p.tp}
+
+
+def layout_text(layout: dict, short: bool = False) -> str:
+    if short:
+        return f"dp{layout['dp']}-pp{layout['pp']}-tp{layout['tp']}-zero{layout['zero']}"
+    return f"dp={layout['dp']} pp={layout['pp']} tp={layout['tp']} zero={layout['zero']}"

@@ -35,12 +35,27 @@ class ActorGroup:
 
     def __init__(self, world_size: int, device: str = "cpu", cpus_per_actor: float = 1,
                  placement_timeout_s: float = 120, collective_timeout_s: float = 300,
-                 worker_cls: type = Worker, tp_size: int = 1):
+                 worker_cls: type = Worker, tp_size: int = 1, rendezvous_timeout_s: float = 120,
+                 on_event=None):
+        """`on_event(name, info)`, if given, is called once the placement groups are ready
+        ("placed", with the node of every rank's bundle), before any actor starts: tests use it
+        to lose a node at that exact moment."""
         if world_size % tp_size:
             raise ValueError(f"world size {world_size} is not a multiple of the TP size {tp_size}")
         self.world_size, self.device, self.tp_size = world_size, device, tp_size
+        self.pgs, self.workers = [], []
+        try:
+            self._start(cpus_per_actor, placement_timeout_s, collective_timeout_s, worker_cls,
+                        rendezvous_timeout_s, on_event)
+        except BaseException:
+            self.shutdown()  # a half-built group never outlives its failure: its resources go back
+            raise
+
+    def _start(self, cpus_per_actor, placement_timeout_s, collective_timeout_s, worker_cls,
+               rendezvous_timeout_s, on_event) -> None:
+        world_size, tp_size = self.world_size, self.tp_size
         bundle = {"CPU": cpus_per_actor}
-        if device == "cuda":
+        if self.device == "cuda":
             bundle["GPU"] = 1
         if tp_size > 1:
             _check_a_node_fits(bundle, tp_size)
@@ -53,36 +68,42 @@ class ActorGroup:
         ready, _ = ray.wait([pg.ready() for pg in self.pgs], num_returns=len(self.pgs),
                             timeout=placement_timeout_s)
         if len(ready) < len(self.pgs):
-            for pg in self.pgs:
-                remove_placement_group(pg)
             packed = f" in groups of {tp_size} per node (tensor parallel)" if tp_size > 1 else ""
             raise PlacementError(
                 f"the cluster could not place {world_size} actors of {bundle}{packed} within "
-                f"{placement_timeout_s:.0f}s (resources.placement_timeout_s). Free now: "
+                f"{placement_timeout_s:g}s (resources.placement_timeout_s). Free now: "
                 f"{_fmt(ray.available_resources())}; total: {_fmt(ray.cluster_resources())}. "
                 "Lower parallel.dp/pp/tp or resources.cpus_per_actor, or add nodes."
             )
+        if on_event is not None:
+            on_event("placed", {"bundle_nodes": [self._bundle_node(r) for r in range(world_size)]})
         threads = max(1, int(cpus_per_actor))
         remote_cls = ray.remote(worker_cls)
         self.workers = [
             remote_cls.options(
                 num_cpus=cpus_per_actor,
-                num_gpus=1 if device == "cuda" else 0,
+                num_gpus=1 if self.device == "cuda" else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(*self._bundle(i)),
             ).remote(threads)
             for i in range(world_size)
         ]
-        t0 = time.perf_counter()
-        addr, port = ray.get(self.workers[0].rendezvous_address.remote())
-        backend = "nccl" if device == "cuda" else "gloo"
+        knob = "resources.rendezvous_timeout_s"
+        deadline = time.monotonic() + rendezvous_timeout_s
+        addr, port = self._gather([self.workers[0].rendezvous_address.remote()], deadline, knob)[0]
+        backend = "nccl" if self.device == "cuda" else "gloo"
         self._gather([
             w.init_distributed.remote(rank, world_size, addr, port, backend, collective_timeout_s)
             for rank, w in enumerate(self.workers)
-        ], None)
+        ], deadline, knob)
         self.backend = backend
-        self.startup_s = time.perf_counter() - t0
-        self.nodes = ray.get([w.node_info.remote() for w in self.workers])
+        self.nodes = self._gather([w.node_info.remote() for w in self.workers], deadline, knob)
         self.node_ids = sorted({n["node_id"] for n in self.nodes})
+
+    def _bundle_node(self, rank: int) -> str | None:
+        from ray.util.placement_group import placement_group_table
+
+        pg, index = self._bundle(rank)
+        return placement_group_table(pg).get("bundles_to_node_id", {}).get(index)
 
     def _bundle(self, rank: int):
         """(placement group, bundle index) of a rank."""
@@ -90,26 +111,32 @@ class ActorGroup:
             return self.pgs[rank // self.tp_size], rank % self.tp_size
         return self.pgs[0], rank
 
-    def call(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> list:
+    def call(self, method: str, *args, timeout_s: float | None = None, knob: str = "elastic.step_timeout_s",
+             **kwargs) -> list:
         """The same call on every rank, in parallel; returns results in rank order. Raises
-        WorkerLostError as soon as a rank is lost, or when no rank finishes within timeout_s."""
-        return self._gather([getattr(w, method).remote(*args, **kwargs) for w in self.workers], timeout_s)
+        WorkerLostError as soon as a rank is lost, or when the ranks have not all finished within
+        timeout_s (the error names `knob`, the setting that gave it)."""
+        return self._gather([getattr(w, method).remote(*args, **kwargs) for w in self.workers],
+                            _deadline(timeout_s), knob)
 
-    def call_per_rank(self, method: str, args_per_rank: list[tuple], timeout_s: float | None = None) -> list:
-        return self._gather([getattr(w, method).remote(*a) for w, a in zip(self.workers, args_per_rank)], timeout_s)
+    def call_per_rank(self, method: str, args_per_rank: list[tuple], timeout_s: float | None = None,
+                      knob: str = "elastic.step_timeout_s") -> list:
+        return self._gather([getattr(w, method).remote(*a) for w, a in zip(self.workers, args_per_rank)],
+                            _deadline(timeout_s), knob)
 
-    def _gather(self, refs: list, timeout_s: float | None) -> list:
+    def _gather(self, refs: list, deadline: float | None, knob: str) -> list:
         """Like ray.get(refs), but raises as soon as any call fails: survivors of a dead peer sit
         in a collective until its timeout, and we must not wait for them to learn of the death."""
         rank_of = {ref: r for r, ref in enumerate(refs)}
         pending = list(refs)
         while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=timeout_s)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, pending = ray.wait(pending, num_returns=1, timeout=left)
             if not done:
                 late = sorted(rank_of[r] for r in pending)
                 raise WorkerLostError(
-                    f"ranks {late} did not finish within {timeout_s:g}s (elastic.step_timeout_s): "
-                    "a hung rank or collective", late[0], "timeout")
+                    f"ranks {late} did not finish in time ({knob}): a hung rank or collective, or an "
+                    "actor that never started", late[0], "timeout")
             try:
                 ray.get(done[0])
             except ray.exceptions.RayActorError as exc:
@@ -128,11 +155,18 @@ class ActorGroup:
         return f"rank {rank} on node {node}"
 
     def shutdown(self) -> None:
+        """Kill the actors and give back the placement groups (also those of a half-built group)."""
         for w in self.workers:
-            ray.kill(w)
+            try:
+                ray.kill(w)
+            except Exception:  # already gone with its node
+                pass
         for pg in self.pgs:
-            remove_placement_group(pg)
-        self.workers = []
+            try:
+                remove_placement_group(pg)
+            except Exception:
+                pass
+        self.workers, self.pgs = [], []
 
     def check_tp_groups_share_nodes(self, tp: int) -> None:
         """For a group made without tp packing (e.g. shared across configs): its TP groups must
@@ -144,6 +178,10 @@ class ActorGroup:
                     f"ranks {start}..{start + tp - 1} form a TP group but sit on {len(nodes)} nodes; "
                     f"create the actor group with tp_size={tp}"
                 )
+
+
+def _deadline(timeout_s: float | None) -> float | None:
+    return None if timeout_s is None else time.monotonic() + timeout_s
 
 
 def _is_collective_failure(exc: Exception) -> bool:

@@ -257,9 +257,16 @@ class Worker:
         """Start writing this rank's part of step's checkpoint (see raymp.checkpoint)."""
         return self.checkpointer.save(path, step, self.program, self.engine, self.scheduler, async_save)
 
-    def wait_checkpoint(self) -> dict | None:
-        """Finish the save in flight; {"step", "error"} of it, or None if there was none."""
-        return self.checkpointer.wait()
+    def wait_checkpoint(self, timeout_s: float | None = None) -> dict | None:
+        """Finish the save in flight; {"step", "error", "files"} of it, None if there was none,
+        {"step", "timeout": True} if it is still writing after timeout_s."""
+        return self.checkpointer.wait(timeout_s)
+
+    def verify_checkpoint(self, path: str, files: dict[str, str]) -> list[str]:
+        """Problems with this rank's share of a checkpoint's files (verified before a load)."""
+        from raymp.checkpoint.integrity import verify_files
+
+        return verify_files(path, files)
 
     def load_checkpoint(self, path: str) -> dict:
         """Load a checkpoint written under any layout into this rank's freshly set-up state."""

@@ -1,4 +1,4 @@
-"""Re-planning after a loss: how many data-parallel replicas the cluster holds now, and the layout
+"""Re-planning after a loss: how many data-parallel replicas the cluster holds now, and the dp
 to restart with. pp x tp is kept (a replica's shape is what the model's memory needs); dp shrinks
 to what fits, and the global batch stays the same, each replica taking more micro-batches, so the
 loss curve goes on as if nothing happened.
@@ -64,27 +64,27 @@ def with_dp(cfg: RunConfig, dp: int) -> RunConfig:
 
 def wait_for_replicas(cfg: RunConfig, target_dp: int, device: str, reserve_node: str | None,
                       log=print) -> tuple[int, float, Capacity]:
-    """(dp, seconds waited, capacity): the configured dp if the cluster has it back within
-    elastic.wait_for_resources_s, else the largest dp that fits. ElasticError if none does."""
+    """(dp, seconds waited, capacity): the largest dp <= target_dp the live nodes hold, at once
+    if they hold at least one replica (growing back happens later, at a checkpoint). Only when
+    not even one fits, wait up to elastic.wait_for_resources_s for room; ElasticError then."""
     el = cfg.elastic
-    t0 = time.perf_counter()
+    t0 = time.monotonic()
     deadline = t0 + el.wait_for_resources_s
     announced = False
     while True:
         cap = capacity(cfg, device, reserve_node, cfg.data.stream_cpus)
         fits = largest_valid_dp(cfg, min(cap.replicas, target_dp)) if cap.replicas else None
-        if fits == target_dp or time.perf_counter() >= deadline:
+        if fits is not None or time.monotonic() >= deadline:
             break
         if not announced:
-            log(f"elastic: the cluster holds {cap.replicas} replica(s) of pp={cfg.parallel.pp} x "
-                f"tp={cfg.parallel.tp} now ({cap.detail}); waiting up to "
-                f"{el.wait_for_resources_s:g}s (elastic.wait_for_resources_s) for {target_dp}")
+            log(f"elastic: the live nodes hold no replica of pp={cfg.parallel.pp} x tp={cfg.parallel.tp} "
+                f"({cap.detail}); waiting up to {el.wait_for_resources_s:g}s (elastic.wait_for_resources_s)")
             announced = True
         time.sleep(el.poll_s)
-    waited = time.perf_counter() - t0
+    waited = time.monotonic() - t0 if announced else 0.0
     if fits is None:
         raise ElasticError(
-            f"after waiting {waited:.0f}s no replica of pp={cfg.parallel.pp} x tp={cfg.parallel.tp} "
-            f"actors fits the live nodes ({cap.detail or 'none'}); add nodes and resume from the last "
-            "checkpoint (checkpoint.resume=auto), or lower parallel.pp/tp")
+            f"after waiting {waited:.0f}s (elastic.wait_for_resources_s) no replica of pp={cfg.parallel.pp} "
+            f"x tp={cfg.parallel.tp} actors fits the live nodes ({cap.detail or 'none'}); add nodes and "
+            "resume from the last checkpoint (checkpoint.resume=auto), or lower parallel.pp/tp")
     return fits, waited, cap

@@ -1,0 +1,181 @@
+"""Recovery as a small state machine, with the two decisions in it as policy objects.
+
+    RUNNING --failure--> RECOVERING --relaunched--> RUNNING
+    RUNNING --checkpoint committed, room to grow--> RESIZING --relaunched--> RUNNING
+    RECOVERING --a fault while relaunching--> RECOVERING (counted as a new failure)
+    RECOVERING --too many failures / no room / no intact state--> FAILED
+
+FailurePolicy decides whether a failure is retried; ScalingPolicy decides the dp to go on with
+(at once with what the survivors hold, waiting only when not even one replica fits) and when to
+grow back. The controller drives a run through the small interface below (the Trainer): it never
+touches actors, checkpoints or tracking itself.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+from typing import Protocol
+
+from raymp.checkpoint.store import Checkpoint, CheckpointError
+from raymp.elastic.capacity import ElasticError, capacity, largest_valid_dp, wait_for_replicas
+from raymp.parallel.mesh import layout_of, layout_text
+from raymp.runtime.actor_group import PlacementError, WorkerLostError
+
+
+class Phase(str, Enum):
+    RUNNING = "running"
+    RECOVERING = "recovering"
+    RESIZING = "resizing"
+    FAILED = "failed"
+
+
+class ElasticRun(Protocol):
+    """What the controller needs of a run."""
+
+    config: object
+
+    def abandon_save(self) -> tuple[int | None, Checkpoint | None]: ...
+
+    def teardown(self) -> None: ...
+
+    def relaunch(self, dp: int) -> Checkpoint | None: ...
+
+    def on_restart(self, event: dict) -> None: ...
+
+
+class FailurePolicy:
+    """A failure is retried while the run has had at most elastic.max_restarts of them."""
+
+    def __init__(self, elastic, group_is_shared: bool):
+        self.enabled, self.max_restarts, self.group_is_shared = elastic.enabled, elastic.max_restarts, group_is_shared
+
+    def refusal(self) -> str | None:
+        if not self.enabled:
+            return "elastic.enabled is false"
+        if self.group_is_shared:
+            return "the actor group was passed in (Trainer(actor_group=...)), so the driver cannot replace it"
+        return None
+
+    def give_up(self, failures: int) -> bool:
+        return failures > self.max_restarts
+
+
+class ScalingPolicy:
+    """dp after a failure: the largest the live nodes hold now (pp x tp kept, the global batch
+    kept); back to the configured dp at a checkpoint once the cluster has room again."""
+
+    def __init__(self, target_dp: int, device: str, reserve_node: str | None, grow_back: bool):
+        self.target_dp, self.device, self.reserve_node, self.grow_back = target_dp, device, reserve_node, grow_back
+
+    def after_failure(self, cfg, log) -> tuple[int, float]:
+        dp, waited, _ = wait_for_replicas(cfg, self.target_dp, self.device, self.reserve_node, log)
+        return dp, waited
+
+    def grow_to(self, cfg) -> int | None:
+        """A larger dp the cluster holds now, or None."""
+        if not self.grow_back or cfg.parallel.dp >= self.target_dp:
+            return None
+        cap = capacity(cfg, self.device, self.reserve_node, cfg.data.stream_cpus)
+        dp = largest_valid_dp(cfg, min(cap.replicas, self.target_dp))
+        return dp if dp is not None and dp > cfg.parallel.dp else None
+
+
+class ElasticController:
+    def __init__(self, run: ElasticRun, failures: FailurePolicy, scaling: ScalingPolicy, say=print):
+        self.run, self.failure_policy, self.scaling, self.say = run, failures, scaling, say
+        self.phase = Phase.RUNNING
+        self.transitions: list[tuple[str, float]] = [(Phase.RUNNING.value, time.time())]
+        self.failures: list[dict] = []  # every lost rank, in order (faults while recovering too)
+        self.restarts: list[dict] = []  # every restart (after a failure, or growing back)
+
+    def _enter(self, phase: Phase) -> None:
+        self.phase = phase
+        self.transitions.append((phase.value, time.time()))
+
+    def recover(self, lost: WorkerLostError) -> dict:
+        """A rank is lost: tear the group down, go on with the dp the live nodes hold, restored
+        from the lineage's newest intact state. A fault while doing so is a new failure."""
+        refusal = self.failure_policy.refusal()
+        if refusal:
+            raise WorkerLostError(f"{lost}; the run stopped ({refusal})", lost.rank, lost.kind, lost.step) from lost
+        self._enter(Phase.RECOVERING)
+        detected, t0, attempts = time.time(), time.monotonic(), 0
+        first = lost
+        while True:
+            self.failures.append({"step": lost.step, "kind": lost.kind, "message": str(lost), "at": time.time()})
+            if self.failure_policy.give_up(len(self.failures)):
+                self._fail()
+                raise ElasticError(
+                    f"giving up after {len(self.failures)} failures (elastic.max_restarts="
+                    f"{self.failure_policy.max_restarts}): " + "; ".join(f["message"] for f in self.failures)
+                    + ". Resume later from the last checkpoint with checkpoint.resume=auto") from lost
+            self.say(f"elastic: {lost}; restarting ({len(self.failures)}/{self.failure_policy.max_restarts})")
+            attempts += 1
+            try:
+                event = self._relaunch("failure", first, attempts == 1)
+                break
+            except (WorkerLostError, PlacementError) as again:
+                lost = WorkerLostError(f"while restarting: {again}", getattr(again, "rank", None),
+                                       getattr(again, "kind", "placement"), first.step)
+            except (ElasticError, CheckpointError):
+                self._fail()
+                raise
+        # Every attempt counts: from the failure's detection to the relaunched group.
+        event.update(detected_at=detected, attempts=attempts, restart_s=time.monotonic() - t0)
+        return self._done(event)
+
+    def grow(self) -> dict | None:
+        """At a committed checkpoint: back towards the configured dp if the cluster has room."""
+        if self.failure_policy.refusal():
+            return None
+        dp = self.scaling.grow_to(self.run.config)
+        if dp is None:
+            return None
+        self._enter(Phase.RESIZING)
+        t0 = time.monotonic()
+        try:
+            event = self._relaunch("grow", None, False, dp)
+        except (WorkerLostError, PlacementError) as lost:
+            self._enter(Phase.RUNNING)
+            return self.recover(lost if isinstance(lost, WorkerLostError) else
+                                WorkerLostError(f"while growing: {lost}", None, "placement"))
+        event["restart_s"] = time.monotonic() - t0
+        return self._done(event)
+
+    def _relaunch(self, reason: str, lost: WorkerLostError | None, first_attempt: bool,
+                  dp: int | None = None) -> dict:
+        t0 = time.monotonic()
+        before = layout_of(self.run.config.parallel)
+        abandoned, salvaged = self.run.abandon_save() if first_attempt else (None, None)
+        self.run.teardown()
+        waited = 0.0
+        if dp is None:
+            dp, waited = self.scaling.after_failure(self.run.config, self.say)
+        checkpoint = self.run.relaunch(dp)
+        return {
+            "reason": reason, "failed_step": lost.step if lost else None, "kind": lost.kind if lost else None,
+            "message": str(lost) if lost else None, "checkpoint_in_flight": abandoned,
+            "checkpoint_in_flight_committed": salvaged is not None,
+            "resumed_step": checkpoint.step if checkpoint else self.run.global_step,
+            "checkpoint": checkpoint.path if checkpoint else None,
+            "layout_before": before, "layout_after": layout_of(self.run.config.parallel),
+            "wait_for_resources_s": waited, "relaunch_s": time.monotonic() - t0,
+        }
+
+    def _done(self, event: dict) -> dict:
+        self._enter(Phase.RUNNING)
+        self.restarts.append(event)
+        steps = (event["failed_step"] - event["resumed_step"]) if event["failed_step"] is not None else 0
+        self.say(
+            f"elastic: {event['reason']} restart {len(self.restarts)}: {layout_text(event['layout_before'])} -> "
+            f"{layout_text(event['layout_after'])}, resumed at step {event['resumed_step']} "
+            f"({event['checkpoint'] or 'no checkpoint: from the start'}), {steps} step(s) to redo, "
+            f"{event['restart_s']:.1f}s to restart")
+        self.run.on_restart(event)
+        return event
+
+    def _fail(self) -> None:
+        self._enter(Phase.FAILED)
+        self.run.abandon_save()  # committed if its shards all made it to storage
+        self.run.teardown()

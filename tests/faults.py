@@ -1,0 +1,93 @@
+"""Shared by the fault-matrix tests: the matrix's run config, its one-process reference, the check
+every scenario ends with, and the ways a checkpoint gets damaged."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+STEPS = 8
+
+
+def matrix_cfg(root: Path, cache: str, ckpt: Path | str | None = None, **sections) -> dict:
+    """The tiny model, dp=2 ZeRO-2, a checkpoint every 2 steps (asynchronous), 8 steps."""
+    cfg = {
+        "name": "faults", "seed": 3, "output_dir": str(Path(root) / "runs"),
+        "model": {"preset": "tiny", "max_seq_len": 64},
+        "parallel": {"dp": 2, "zero": 2, "micro_batch_size": 2},
+        "train": {"steps": STEPS, "global_batch_size": 8, "seq_len": 32, "log_every": 1, "eval_batches": 0},
+        "optimizer": {"lr": 1e-2, "warmup_steps": 1, "grad_clip": 1.0},
+        "data": {"source": "kjv", "tokenizer": "byte", "cache_dir": cache},
+        "checkpoint": {"every": 2, "keep_last": 4, "dir": str(ckpt or Path(root) / "checkpoints")},
+        "elastic": {"wait_for_resources_s": 0, "poll_s": 0.1},
+        "tracking": {"enabled": False},
+    }
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+@dataclass
+class Reference:
+    """One-process training of the matrix config: the loss of every step and the sample ids the
+    global order gives it."""
+
+    losses: list[float]
+    sample_ids: list[list[int]]
+
+    @classmethod
+    def of(cls, cfg: dict, steps: int = STEPS) -> "Reference":
+        from raymp.config import config_from_dict
+        from raymp.data import TrainOrder, load_dataset
+        from raymp.reference import train_single_process
+
+        run = config_from_dict(cfg)
+        losses, _ = train_single_process(run, steps)
+        data = load_dataset(run.data, run.train.seq_len, log=lambda *_: None)
+        order = TrainOrder(data.num_samples, run.data.val_fraction, run.seed, run.train.global_batch_size)
+        return cls(losses, [order.batch(s).tolist() for s in range(steps)])
+
+
+def check_against_reference(history: list[dict], ref: Reference, steps) -> None:
+    """Every step once, in order; each step's loss within 1e-5 of one process, and its samples
+    exactly the global order's."""
+    import pytest
+
+    assert [m["step"] for m in history] == list(steps)
+    for m in history:
+        s = m["step"]
+        ids = m["sample_ids"].tolist() if hasattr(m["sample_ids"], "tolist") else list(m["sample_ids"])
+        assert ids == ref.sample_ids[s], f"step {s} read other samples"
+        assert m["loss"] == pytest.approx(ref.losses[s], rel=1e-5), f"step {s}"
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _flip_bytes_in_a_tensor(path: Path) -> None:
+    """Overwrite 64 bytes in the middle of the largest shard file: tensor data, not a header."""
+    data = bytearray(path.read_bytes())
+    mid = len(data) * 3 // 5
+    data[mid:mid + 64] = bytes((b ^ 0x5A) for b in data[mid:mid + 64])
+    path.write_bytes(bytes(data))
+
+
+def _largest_shard(ckpt: Path) -> Path:
+    return max(ckpt.glob("*.distcp"), key=lambda p: p.stat().st_size)
+
+
+DAMAGE = {
+    "truncated shard": lambda ckpt: _truncate(_largest_shard(ckpt)),
+    "bytes flipped inside a tensor": lambda ckpt: _flip_bytes_in_a_tensor(_largest_shard(ckpt)),
+    "missing metadata": lambda ckpt: (ckpt / ".metadata").unlink(),
+    "deleted shard": lambda ckpt: _largest_shard(ckpt).unlink(),
+    "half-written marker": lambda ckpt: _truncate(ckpt / "raymp.json"),
+}
+
+
+def copy_checkpoints(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst

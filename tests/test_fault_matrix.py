@@ -1,0 +1,354 @@
+"""The fault matrix: how a user meets faults, each scenario ending with the same check as a layout
+test (every step once, its loss within 1e-5 of one process, its samples the global order's) and
+finishing within its stated bound (the timeout mark; none may hang).
+
+This module covers storage, lineage, tracking and the bounded waits on the session's Ray (an
+actor killed with ray.kill is the fault); test_fault_matrix_cluster.py covers node loss on a
+simulated multi-node cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from faults import DAMAGE, STEPS, Reference, check_against_reference, copy_checkpoints, matrix_cfg
+from raymp import Trainer
+from raymp.checkpoint.store import CheckpointError, CheckpointStore
+from raymp.config import ConfigError
+from raymp.runtime.actor_group import ActorGroup, PlacementError, WorkerLostError
+
+SAVED_UP_TO = 6  # the saved run: checkpoints of steps 2, 4 and 6
+
+
+@pytest.fixture(scope="module")
+def ref(data_cache, tmp_path_factory):
+    return Reference.of(matrix_cfg(tmp_path_factory.mktemp("ref"), data_cache))
+
+
+@pytest.fixture(scope="module")
+def saved(data_cache, tmp_path_factory, group2):
+    """A run that trained 6 of its 8 steps, committing checkpoints at 2, 4 and 6."""
+    root = tmp_path_factory.mktemp("saved")
+    with Trainer(matrix_cfg(root, data_cache), actor_group=group2, progress=False) as t:
+        history = t.fit(SAVED_UP_TO)
+    assert [c.step for c in CheckpointStore(str(root / "checkpoints")).committed()] == [2, 4, 6]
+    return {"root": root, "dir": root / "checkpoints", "history": history}
+
+
+def kill_rank_after(trainer: Trainer, steps: int, rank: int = 1) -> threading.Thread:
+    """Kill one rank's actor once `steps` steps are done (waits on the history, not a clock)."""
+    import ray
+
+    def kill():
+        while len(trainer.history) < steps:
+            time.sleep(0.02)
+        ray.kill(trainer.group.workers[rank])
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
+
+
+# -- damaged checkpoints -----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(damage, saved, ref, data_cache, group2, tmp_path,
+                                                              capsys):
+    ckpt = copy_checkpoints(saved["dir"], tmp_path / "checkpoints")
+    DAMAGE[damage](ckpt / "step-00000006")
+    with Trainer(matrix_cfg(tmp_path, data_cache, ckpt), actor_group=group2) as t:
+        assert t.setup().global_step == 4  # the previous committed checkpoint, not scratch
+        rest = t.fit()
+    check_against_reference(rest, ref, range(4, STEPS))
+    out = capsys.readouterr().out
+    assert "step 6" in out and "damaged" in out, out[-2000:]
+
+
+@pytest.mark.timeout(240)
+def test_no_intact_checkpoint_stops_instead_of_starting_over(saved, data_cache, group2, tmp_path):
+    ckpt = copy_checkpoints(saved["dir"], tmp_path / "checkpoints")
+    for step in (2, 4, 6):
+        DAMAGE["bytes flipped inside a tensor"](ckpt / f"step-{step:08d}")
+    with pytest.raises(CheckpointError, match="no intact checkpoint in this run's lineage: step 6 .*step 4 .*step 2"):
+        Trainer(matrix_cfg(tmp_path, data_cache, ckpt), actor_group=group2, progress=False).setup()
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_list_shows_damaged_ones_and_never_crashes(saved, tmp_path):
+    ckpt = copy_checkpoints(saved["dir"], tmp_path / "checkpoints")
+    DAMAGE["half-written marker"](ckpt / "step-00000006")
+    DAMAGE["truncated shard"](ckpt / "step-00000004")
+    out = subprocess.run([sys.executable, "-m", "raymp.cli", "checkpoint", "list", str(ckpt)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    lines = out.stdout.splitlines()
+    assert any("step-00000006" in line and "damaged" in line and "marker" in line for line in lines), out.stdout
+    assert any("step-00000004" in line and "damaged" in line and "checksum" in line for line in lines), out.stdout
+    assert any("step-00000002" in line and "step 2" in line and "damaged" not in line for line in lines)
+
+
+# -- storage that fails --------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_read_only_checkpoint_dir_fails_before_any_actor_starts(data_cache, tmp_path):
+    ckpt = tmp_path / "readonly"
+    ckpt.mkdir()
+    locked = _make_read_only(ckpt)
+    try:
+        trainer = Trainer(matrix_cfg(tmp_path, data_cache, ckpt), progress=False)
+        with pytest.raises(CheckpointError, match=r"checkpoint.dir .*readonly is not writable .*permissions"):
+            trainer.setup()
+        assert trainer.group is None  # no actor was started
+    finally:
+        locked()
+
+
+def _make_read_only(path: Path):
+    """Read-only even for root: the immutable attribute where chattr works, else mode 0555.
+    Returns the undo."""
+    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0:
+        return lambda: subprocess.run(["chattr", "-i", str(path)], capture_output=True)
+    if os.geteuid() == 0:
+        pytest.fail("cannot make a directory read-only for root here (chattr failed)")
+    path.chmod(0o555)
+    return lambda: path.chmod(0o755)
+
+
+@pytest.fixture(scope="module")
+def disk_full_group(ray_local):
+    from ckpt_workers import FailingStorageWorker
+
+    group = ActorGroup(2, "cpu", placement_timeout_s=60, collective_timeout_s=60, worker_cls=FailingStorageWorker)
+    yield group
+    group.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_full_disk_save_removes_its_partial_dir_and_a_finished_run_stays_finished(
+        disk_full_group, ref, data_cache, tmp_path, capsys):
+    """Rank 1's storage fills up (ENOSPC after half a file) from step 4's save on: the saves of
+    steps 4, 6 and the final one fail, are said, leave nothing behind, and the run FINISHES."""
+    disk_full_group.call("fill_disk_from", 4, 1)
+    cfg = matrix_cfg(tmp_path, data_cache, tracking={"enabled": True,
+                                                     "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"})
+    try:
+        with Trainer(cfg, actor_group=disk_full_group) as t:
+            history = t.fit()
+            run_id, uri = t.tracker.run_id, t.tracker.uri
+            failed = [step for step, _ in t.checkpoints.failed]
+    finally:
+        disk_full_group.call("fill_disk_from", None, None)
+    check_against_reference(history, ref, range(STEPS))
+    assert failed == [4, 6, 8]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000002"]  # no partial dirs left
+    out = capsys.readouterr().out
+    assert "checkpoint of step 8 failed on" in out and "on rank 1: OSError: [Errno 28] No space left on device" in out
+    assert "partial directory removed" in out
+    from mlflow.tracking import MlflowClient
+
+    assert MlflowClient(uri).get_run(run_id).info.status == "FINISHED"
+
+
+@pytest.mark.timeout(240)
+def test_storage_slower_than_write_timeout_gives_the_save_up(data_cache, tmp_path, ref, capsys):
+    from ckpt_workers import SlowStorageWorker
+
+    group = ActorGroup(2, "cpu", placement_timeout_s=60, collective_timeout_s=60, worker_cls=SlowStorageWorker)
+    try:
+        group.call("slow_writes_from", 8, 30.0)  # the final save takes 30 s; the limit is 1 s
+        cfg = matrix_cfg(tmp_path, data_cache, checkpoint={"write_timeout_s": 1, "async_save": True})
+        with Trainer(cfg, actor_group=group) as t:
+            history = t.fit()
+            assert [step for step, _ in t.checkpoints.failed] == [8]
+    finally:
+        group.shutdown()
+    check_against_reference(history, ref, range(STEPS))
+    assert "still writing after 1s (checkpoint.write_timeout_s)" in capsys.readouterr().out
+
+
+# -- lineage: what a restart resumes from ---------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_warm_start_then_a_failure_before_the_first_save_resumes_from_the_source(saved, ref, data_cache, tmp_path):
+    """Issue: the restart found no checkpoint in its own dir and silently started from scratch."""
+    source = f"{saved['dir']}/step-00000004"
+    cfg = matrix_cfg(tmp_path, data_cache, checkpoint={"resume": source, "every": 3})
+    trainer = Trainer(cfg, progress=False)
+    try:
+        trainer.setup()
+        kill_rank_after(trainer, 1)  # step 4 done, step 5 in flight: before this run's first save (6)
+        history = trainer.fit()
+        (restart,) = trainer.restarts
+        assert restart["checkpoint"] == source and restart["resumed_step"] == 4
+    finally:
+        trainer.close()
+    check_against_reference(history, ref, range(4, STEPS))
+
+
+@pytest.mark.timeout(300)
+def test_rewind_then_a_failure_never_loads_the_abandoned_timeline(saved, ref, data_cache, tmp_path):
+    """Issue: after a rewind to step 2, the restart loaded the abandoned timeline's newest (6)."""
+    ckpt = copy_checkpoints(saved["dir"], tmp_path / "checkpoints")
+    cfg = matrix_cfg(tmp_path, data_cache, ckpt, checkpoint={"resume": f"{ckpt}/step-00000002", "every": 3})
+    trainer = Trainer(cfg, progress=False)
+    try:
+        assert trainer.setup().global_step == 2
+        kill_rank_after(trainer, 2)  # steps 2, 3 done; this lineage committed nothing yet (saves at 3)
+        history = trainer.fit()
+        restart = trainer.restarts[0]
+        assert restart["resumed_step"] in (2, 3) and "step-00000006" not in (restart["checkpoint"] or "")
+    finally:
+        trainer.close()
+    check_against_reference(history, ref, range(2, STEPS))
+    kept = sorted(p.name for p in ckpt.iterdir())
+    aside = [p for p in kept if p.startswith("abandoned-")]
+    assert len(aside) == 1 and sorted(os.listdir(ckpt / aside[0])) == ["step-00000004", "step-00000006"]
+
+
+@pytest.mark.timeout(300)
+def test_rerunning_a_warm_start_command_continues_its_own_lineage(saved, ref, data_cache, tmp_path, group2):
+    source = f"{saved['dir']}/step-00000002"
+    cfg = matrix_cfg(tmp_path, data_cache, checkpoint={"resume": source})
+    with Trainer(cfg, actor_group=group2, progress=False) as t:
+        t.fit(2)  # commits step 4 in its own dir, then the driver "crashes"
+    with Trainer(cfg, actor_group=group2, progress=False) as t:  # the same command again
+        assert t.setup().global_step == 4
+        history = t.fit()
+    check_against_reference(history, ref, range(4, STEPS))
+
+
+@pytest.mark.timeout(120)
+def test_warm_start_into_a_dir_of_another_run_is_refused(saved, data_cache, tmp_path, group2):
+    other = copy_checkpoints(saved["dir"], tmp_path / "other")
+    cfg = matrix_cfg(tmp_path, data_cache, other, checkpoint={"resume": f"{saved['dir']}/step-00000002"})
+    with pytest.raises(CheckpointError, match="holds checkpoints of another run; a warm start .* needs a checkpoint.dir"):
+        Trainer(cfg, actor_group=group2, progress=False).setup()
+
+
+@pytest.mark.timeout(300)
+def test_failure_before_any_checkpoint_starts_over_from_step_0(ref, data_cache, tmp_path):
+    cfg = matrix_cfg(tmp_path, data_cache, checkpoint={"every": 4})
+    trainer = Trainer(cfg, progress=False)
+    try:
+        trainer.setup()
+        kill_rank_after(trainer, 2)
+        history = trainer.fit()
+        assert trainer.restarts[0]["resumed_step"] == 0 and trainer.restarts[0]["checkpoint"] is None
+    finally:
+        trainer.close()
+    check_against_reference(history, ref, range(STEPS))
+
+
+@pytest.mark.timeout(240)
+def test_warm_start_applies_the_configs_learning_rate_and_says_so(saved, data_cache, tmp_path, group2, capsys):
+    """Issue: a warm start kept the checkpoint's lr while MLflow logged the new one."""
+    from raymp.optim import lr_factor
+
+    cfg = matrix_cfg(tmp_path, data_cache, optimizer={"lr": 2e-3},
+                     checkpoint={"resume": f"{saved['dir']}/step-00000004", "every": 0})
+    with Trainer(cfg, actor_group=group2) as t:
+        history = t.fit()
+    for m in history:
+        assert m["lr"] == pytest.approx(2e-3 * lr_factor(m["step"], 1, STEPS, 0.1), rel=1e-9)
+    same = [m["loss"] for m in saved["history"][4:6]]
+    assert history[0]["loss"] == pytest.approx(same[0], rel=1e-6)  # the first step: restored weights
+    assert history[1]["loss"] != pytest.approx(same[1], rel=1e-6)  # then: trained with the new lr
+    assert "the config's optimizer.lr=0.002 applies (the checkpoint's run had 0.01)" in capsys.readouterr().out
+
+
+# -- MLflow after restarts ------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(400)
+def test_mlflow_records_each_step_once_and_numbers_restarts_across_drivers(ref, data_cache, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    cfg = matrix_cfg(tmp_path, data_cache, tracking={"enabled": True, "tracking_uri": f"sqlite:///{tmp_path}/m.db"})
+    first = Trainer(cfg, progress=False)
+    try:
+        first.setup()
+        kill_rank_after(first, 3)  # step 3 is redone from the checkpoint of step 2
+        first.fit(5)
+        run_id, uri = first.tracker.run_id, first.tracker.uri
+        restart_s = first.restarts[0]["restart_s"]
+    finally:
+        first.close()  # the first driver ends (its run is resumed below)
+    second = Trainer(cfg, progress=False)  # a new driver: checkpoint.resume=auto
+    try:
+        second.setup()
+        kill_rank_after(second, 1)
+        second.fit()
+        assert second.tracker.run_id == run_id
+        history = second.history
+    finally:
+        second.close()
+    check_against_reference(history, ref, range(history[0]["step"], STEPS))
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    loss_steps = sorted(m.step for m in client.get_metric_history(run_id, "loss"))
+    assert loss_steps == list(range(STEPS)), loss_steps  # each step once
+    losses = {m.step: m.value for m in client.get_metric_history(run_id, "loss")}
+    assert [losses[s] for s in range(STEPS)] == pytest.approx(ref.losses, rel=1e-5)
+    events = sorted(a.path for a in client.list_artifacts(run_id, "events"))
+    assert [e for e in events if "restart" in e] == ["events/restart-1.json", "events/restart-2.json"]
+    assert run.data.tags["raymp.restarts"] == "2"
+    first_event = json.loads(Path(client.download_artifacts(run_id, "events/restart-1.json")).read_text())
+    assert first_event["restart_s"] == pytest.approx(restart_s) and first_event["attempts"] == 1
+
+
+# -- every wait is bounded, and its error names the knob ----------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_rendezvous_timeout_names_its_knob_and_leaves_no_placement_group(ray_local):
+    import ray
+
+    from ckpt_workers import NeverJoinsWorker
+
+    free = ray.available_resources().get("CPU", 0)
+    with pytest.raises(WorkerLostError, match=r"resources.rendezvous_timeout_s"):
+        ActorGroup(2, "cpu", placement_timeout_s=60, rendezvous_timeout_s=2, worker_cls=NeverJoinsWorker)
+    _wait_for_cpus(free)
+
+
+@pytest.mark.timeout(120)
+def test_placement_timeout_names_its_knob_and_leaves_no_placement_group(ray_local):
+    import ray
+
+    free = ray.available_resources().get("CPU", 0)
+    with pytest.raises(PlacementError, match=r"resources.placement_timeout_s"):
+        ActorGroup(2, "cpu", cpus_per_actor=free, placement_timeout_s=1)
+    _wait_for_cpus(free)
+
+
+def _wait_for_cpus(free: float) -> None:
+    """The half-built group's resources come back (Ray frees them asynchronously: wait for it)."""
+    import ray
+
+    while ray.available_resources().get("CPU", 0) < free:
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(120)
+def test_setup_timeout_names_its_knob(ray_local, data_cache, tmp_path):
+    from ckpt_workers import SlowSetupWorker
+
+    group = ActorGroup(2, "cpu", placement_timeout_s=60, worker_cls=SlowSetupWorker)
+    try:
+        cfg = matrix_cfg(tmp_path, data_cache, resources={"setup_timeout_s": 1})
+        with pytest.raises(WorkerLostError, match=r"resources.setup_timeout_s"):
+            Trainer(cfg, actor_group=group, progress=False).setup()
+    finally:
+        group.shutdown()
