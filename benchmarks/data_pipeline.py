@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--tokenizers", nargs="+", default=["byte", "gpt2"])
     args = parser.parse_args()
-    ray.init(num_cpus=DP + 2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=DP + 2, include_dashboard=False, log_to_driver=False)
     group = ActorGroup(DP, "cpu", cpus_per_actor=1)
     rows = []
     with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as out_dir:

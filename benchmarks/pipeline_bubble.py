@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     args = parser.parse_args()
 
-    ray.init(num_cpus=max(PP, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=max(PP, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
     group = ActorGroup(PP, "cpu", cpus_per_actor=1, placement_timeout_s=120, collective_timeout_s=300)
     results = {}
     with tempfile.TemporaryDirectory() as out_dir:

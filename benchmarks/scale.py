@@ -105,7 +105,7 @@ def _first_line(exc: Exception) -> str:
 
 def measure(opts) -> dict:
     cap = opts.memory_cap_mib * 2**20
-    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
     out = tempfile.mkdtemp(prefix="raymp-bench-scale-")
     trials, largest = [], {}
     first = 0

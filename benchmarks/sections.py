@@ -59,7 +59,7 @@ def data_parallel(opts) -> dict:
     shape = dict(preset=opts.gpu_preset, seq_len=1024, global_batch=8 * world, device="cuda", precision="bf16") \
         if gpu else dict(preset="small", seq_len=128, global_batch=16)
     out = tempfile.mkdtemp(prefix="raymp-bench-dp-")
-    ray.init(num_cpus=None if gpu else 2 * world, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=None if gpu else 2 * world, include_dashboard=False, log_to_driver=False)
     configs = {z: run_config(f"dp{world}-zero{z}", out, dp=world, zero=z, steps=opts.steps, cpus_per_actor=cpus,
                              **shape) for z in (0, 3)}
     batches, vocab = global_batches(configs[0])
@@ -149,7 +149,7 @@ def orchestration(opts) -> dict:
     from benchmarks.peers_plain import run_plain
 
     out = tempfile.mkdtemp(prefix="raymp-bench-orch-")
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     cfg = run_config("dp2-pp2-1f1b", out, dp=2, pp=2, steps=opts.steps, global_batch=16, seq_len=128,
                      parallel={"schedule": "1f1b"})
     batches, vocab = global_batches(cfg)
@@ -191,7 +191,7 @@ def pipeline(opts) -> dict:
     from benchmarks.pipeline_bubble import measure_bubble
 
     pp, schedules, micro_batches = 4, ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev"), (8, 16)
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     group = ActorGroup(pp, "cpu", cpus_per_actor=1, placement_timeout_s=120, collective_timeout_s=300)
     rows, raw, gaps = [], {}, []
     with tempfile.TemporaryDirectory() as out:
@@ -243,7 +243,7 @@ def memory(opts) -> dict:
     from raymp.runtime.actor_group import ActorGroup
 
     n = 4
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     group = ActorGroup(n, "cpu", cpus_per_actor=0.5)
     rows, raw = [], {}
     out = tempfile.mkdtemp(prefix="raymp-bench-mem-")

@@ -42,7 +42,7 @@ class RunTracker:
         else:
             # With the embedded store, keep artifacts beside the database: MLflow's default
             # artifact root is ./mlruns in the *current* directory, which scatters run data and
-            # can later flip MLflow's own default store (DESIGN.md).
+            # can later flip MLflow's own default store (docs/design.md).
             location = None
             if cfg.tracking.tracking_uri is None:
                 location = (Path(cfg.output_dir).resolve() / "mlartifacts").as_uri()

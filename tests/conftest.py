@@ -25,7 +25,8 @@ def ray_local():
         tests = os.path.dirname(os.path.abspath(__file__))
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
         # Logical CPUs, not cores: shared groups (2 + 4 + 8 actors) stay up while tests start their own.
-        ray.init(num_cpus=32, include_dashboard=False, log_to_driver=False)
+        # address="local": a Ray of its own, even while another one runs on this machine.
+        ray.init(address="local", num_cpus=32, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 

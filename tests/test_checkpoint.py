@@ -110,7 +110,7 @@ def test_store_commits_atomically_prunes_and_ignores_unfinished(tmp_path):
 
 def test_async_save_is_a_snapshot(tmp_path):
     """DCP's own async staging reads live CPU storage in the background: a step that runs while
-    the write is in flight would leak into the checkpoint (DESIGN.md trap). raymp copies first."""
+    the write is in flight would leak into the checkpoint (docs/design.md trap). raymp copies first."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 

@@ -22,7 +22,6 @@ import pytest
 from faults import DAMAGE, STEPS, Reference, check_against_reference, copy_checkpoints, matrix_cfg
 from raymp import Trainer
 from raymp.checkpoint.store import CheckpointError, CheckpointStore
-from raymp.config import ConfigError
 from raymp.runtime.actor_group import ActorGroup, PlacementError, WorkerLostError
 
 SAVED_UP_TO = 6  # the saved run: checkpoints of steps 2, 4 and 6

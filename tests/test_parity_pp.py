@@ -84,7 +84,7 @@ def assert_gradients_match(grads, ref, atol=1e-6):
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
 def test_zero_bubble_zero3_gradients_are_complete_and_exact(schedule, group4, tiny_cfg):
     """Zero-bubble splits backward into input and weight passes; with FSDP2 resharding after
-    forward the weight pass sees the wrong parameters (DESIGN.md). Every gradient must exist and
+    forward the weight pass sees the wrong parameters (docs/design.md). Every gradient must exist and
     equal the single-process one."""
     cfg = pp_cfg(tiny_cfg, 2, schedule, dp=2, zero=3)
     assert_gradients_match(pipeline_gradients(cfg, group4), single_process_gradients(config_from_dict(cfg)))

@@ -1,4 +1,4 @@
-"""DESIGN.md trap: FSDP2 with set_reshard_after_backward(False) + an optimizer step leaves the
+"""docs/design.md trap: FSDP2 with set_reshard_after_backward(False) + an optimizer step leaves the
 unsharded parameters stale unless every FSDP unit is resharded. The parity check must catch a
 regression: run ZeRO-2 with the reshard removed and require that it diverges."""
 

@@ -1,4 +1,4 @@
-"""DESIGN.md trap: zero-bubble schedules (split input/weight backward) with FSDP2 resharding
+"""docs/design.md trap: zero-bubble schedules (split input/weight backward) with FSDP2 resharding
 parameters after forward give wrong gradients. raymp forces reshard_after_forward=False under
 them. This test removes that guard and requires the gradient check to notice."""
 

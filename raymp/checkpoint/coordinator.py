@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from raymp.checkpoint.integrity import directory_files
 from raymp.checkpoint.lineage import Lineage
-from raymp.checkpoint.store import Checkpoint, CheckpointStore
+from raymp.checkpoint.store import Checkpoint
 
 
 @dataclass

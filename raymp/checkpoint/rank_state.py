@@ -80,7 +80,7 @@ def optimizer_params(engine, tied: bool) -> list[tuple[str, bool, torch.nn.Param
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     """A copy in host memory that training cannot change. Needed even for CPU tensors: DCP's own
-    async staging runs in the background and reads live storage (DESIGN.md trap)."""
+    async staging runs in the background and reads live storage (docs/design.md trap)."""
     if isinstance(t, DTensor):
         local = t.to_local().detach().to("cpu", copy=True)
         return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,

@@ -32,7 +32,7 @@ SCHEDULES = {
     "dualpipev": ScheduleDualPipeV,
 }
 # Schedules that split backward into input-grad (I) and weight-grad (W) passes. FSDP2 must keep
-# parameters gathered between forward and W under these, or gradients come out wrong (DESIGN.md).
+# parameters gathered between forward and W under these, or gradients come out wrong (docs/design.md).
 ZERO_BUBBLE = frozenset({"zbv", "dualpipev"})
 # Rank r holds stages r and 2p-1-r (a "V"), so the first and last stage share rank 0.
 V_SHAPED = frozenset({"zbv", "dualpipev"})

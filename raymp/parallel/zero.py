@@ -142,7 +142,7 @@ class DataParallelEngine:
         for model in self.modules:
             for name, value in model.state_dict().items():
                 value = value.full_tensor() if isinstance(value, DTensor) else value
-                # .cpu() of a CPU tensor is the same storage: copy (DESIGN.md trap).
+                # .cpu() of a CPU tensor is the same storage: copy (docs/design.md trap).
                 full[name] = value.detach().cpu().clone()
         return full
 
@@ -226,7 +226,7 @@ class FSDPEngine(DataParallelEngine):
             if zero == 2:
                 # ZeRO-2 keeps full parameters through the step (one all-gather per step, not per
                 # micro-batch). The optimizer then updates the *sharded* parameters, leaving the
-                # unsharded copies stale: after_optimizer_step() drops them (DESIGN.md trap).
+                # unsharded copies stale: after_optimizer_step() drops them (docs/design.md trap).
                 module.set_reshard_after_backward(False)
         self.modules = self.models = modules  # fully_shard wraps in place
         self.optimizer = build_optimizer([p for m in modules for p in m.parameters()], opt_cfg)

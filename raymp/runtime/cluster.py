@@ -21,7 +21,9 @@ def connect(address: str | None, min_cpus: float) -> None:
     # A local instance: logical CPUs are oversubscribed if the run asks for more actors than
     # cores (each actor then runs 1 thread), so a 2-core laptop can still run dp=4.
     cpus = max(os.cpu_count() or 1, int(min_cpus + 0.999))
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+    # A Ray of its own, even while another instance runs on this machine (a plain ray.init()
+    # would join that one, or refuse num_cpus).
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
 
 
 def resolve_device(requested: str, world_size: int) -> str:

@@ -39,7 +39,7 @@ def _parallelize(modules, spec, cfg, mesh, device, zero_bubble: bool = False):
     return apply_data_parallel(
         modules, mesh["dp"], cfg.optimizer, p.zero, device,
         torch.bfloat16 if cfg.precision == "bf16" else None, spec.block_names,
-        # Zero-bubble + FSDP2 resharding after forward yields wrong weight gradients (DESIGN.md).
+        # Zero-bubble + FSDP2 resharding after forward yields wrong weight gradients (docs/design.md).
         reshard_after_forward=False if zero_bubble else None,
         wrap_ddp=p.pp == 1 and p.tp == 1,
     )

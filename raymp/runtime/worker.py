@@ -64,7 +64,7 @@ class Worker:
         import torch
 
         # Each actor gets its share of cores; torch's default (all cores per process) makes
-        # co-located actors fight and steps run ~20x slower (DESIGN.md).
+        # co-located actors fight and steps run ~20x slower (docs/design.md).
         torch.set_num_threads(num_threads)
         self.num_threads = num_threads
         self.rank = None
@@ -107,7 +107,7 @@ class Worker:
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
-        # An explicit timeout: a rank whose peer died must fail, not hang forever (DESIGN.md).
+        # An explicit timeout: a rank whose peer died must fail, not hang forever (docs/design.md).
         dist.init_process_group(
             backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,
             timeout=timedelta(seconds=timeout_s),

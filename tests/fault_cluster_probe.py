@@ -1,0 +1,354 @@
+"""Run by test_fault_matrix_cluster.py in its own process (a simulated cluster needs a Ray of its
+own): node-loss scenarios, one after another on one cluster whose worker nodes are set up anew
+for each. Nodes are removed and added on the main thread (cluster_utils wants that), so training
+runs in a background thread, and every fault waits on an event of the run (a step done, a save in
+flight, a group placed), never on a clock. Each scenario's result goes to OUT as one JSON line
+when it ends; a scenario past its bound is recorded as hung and ends the probe.
+
+    python fault_cluster_probe.py DATA_CACHE OUT [SCENARIO ...]
+    python fault_cluster_probe.py --driver CONFIG_JSON HISTORY_JSONL   (one driver, for SIGKILL)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import ray
+from ray.cluster_utils import Cluster
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from faults import matrix_cfg  # noqa: E402
+
+from raymp import Trainer  # noqa: E402
+from raymp.runtime.worker import Worker  # noqa: E402
+
+BOUND_S = 240  # per scenario: past this it counts as hung
+
+
+class Hung(RuntimeError):
+    pass
+
+
+class SlowWriteWorker(Worker):
+    """The writes of step 4's checkpoint and later ones wait until <output_dir>/release-writes
+    exists: a save stays in flight on demand. Defined in the probe's __main__, so Ray ships the
+    class by value."""
+
+    def setup(self, cfg_dict: dict, vocab_size: int) -> dict:
+        info = super().setup(cfg_dict, vocab_size)
+        make_writer = self.checkpointer.writer_factory
+        release = cfg_dict["output_dir"] + "/release-writes"
+
+        def writer_factory(path: str):
+            writer = make_writer(path)
+            write_data = writer.write_data
+
+            def slow(plan, planner):
+                while int(path.rstrip("/").rsplit("-", 1)[-1]) >= 4 and not os.path.exists(release):
+                    time.sleep(0.05)
+                return write_data(plan, planner)
+
+            writer.write_data = slow
+            return writer
+
+        if not getattr(self.checkpointer, "_slowed", False):
+            self.checkpointer.writer_factory = writer_factory
+            self.checkpointer._slowed = True
+        return info
+
+
+class Probe:
+    def __init__(self, cache: str):
+        self.cache = cache
+        self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+        ray.init(address=self.cluster.address, log_to_driver=False)
+        self.nodes: list = []
+
+    def reset(self, count: int, cpus: int) -> None:
+        for node in list(self.nodes):
+            self.cluster.remove_node(node)
+        self.nodes = [self.cluster.add_node(num_cpus=cpus) for _ in range(count)]
+        self.cluster.wait_for_nodes()
+        wait_until(lambda: ray.available_resources().get("CPU", 0) >= count * cpus + 1, "the cluster's CPUs")
+
+    def remove_node_of(self, node_id: str) -> None:
+        node = next(n for n in self.nodes if n.node_id == node_id)
+        self.nodes.remove(node)
+        self.cluster.remove_node(node)
+
+    def add_node(self, cpus: int) -> None:
+        self.nodes.append(self.cluster.add_node(num_cpus=cpus))
+
+
+def wait_until(predicate, what: str, bound: float = BOUND_S) -> None:
+    deadline = time.monotonic() + bound
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise Hung(f"waited {bound:g}s for {what}")
+        time.sleep(0.02)
+
+
+def cfg_for(root: str, cache: str, **sections) -> dict:
+    """1.5 CPUs per actor: one actor per 2-CPU node. Blocking saves, so the checkpoint of step 2
+    is committed with step 3's results (the mid-write scenario makes its own save slow)."""
+    # The defaults a user has (wait_for_resources_s=30): a shrink must not wait for it.
+    sections["elastic"] = {"wait_for_resources_s": 30, "poll_s": 0.1, "max_restarts": 3,
+                           **sections.get("elastic", {})}
+    sections["resources"] = {"cpus_per_actor": 1.5, **sections.get("resources", {})}
+    sections["checkpoint"] = {"async_save": False, **sections.get("checkpoint", {})}
+    return matrix_cfg(Path(root), cache, **sections)
+
+
+class Run:
+    """A Trainer fitting in a background thread."""
+
+    def __init__(self, cfg: dict, on_event=None, **kwargs):
+        self.trainer = Trainer(cfg, progress=False, **kwargs)
+        self.trainer.on_event = on_event
+        self.trainer.setup()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._fit, daemon=True)
+        self.thread.start()
+
+    def _fit(self):
+        try:
+            self.trainer.fit()
+        except BaseException as exc:  # reported in the result
+            self.error = exc
+
+    def after_steps(self, n: int, committed: int | None = None) -> None:
+        """Once `n` steps are done (and, if given, the checkpoint of step `committed` is)."""
+        def ready():
+            steps = len(self.trainer.history) >= n
+            saved = committed is None or any(c.step == committed for c in self.trainer.checkpoints.committed)
+            return (steps and saved) or not self.thread.is_alive()
+
+        wait_until(ready, f"{n} steps" + (f" and the checkpoint of step {committed}" if committed else ""))
+
+    def node_of_rank(self, rank: int) -> str:
+        return self.trainer.group.nodes[rank]["node_id"]
+
+    def finish(self) -> dict:
+        self.thread.join(BOUND_S)
+        if self.thread.is_alive():
+            raise Hung("the run did not finish")
+        t = self.trainer
+        out = {"history": [{"step": m["step"], "loss": m["loss"], "dp": m["dp"],
+                            "sample_ids": m["sample_ids"].tolist()} for m in t.history],
+               "restarts": t.restarts, "failures": t.failures,
+               "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}"}
+        t.close()
+        return out
+
+
+# -- scenarios --------------------------------------------------------------------------------
+
+
+def node_loss(probe, root, zero=0, dp=2, nodes=2, cpus=2, after=3, rank=1, committed=2, **sections):
+    probe.reset(nodes, cpus)
+    parallel = {"dp": dp, "zero": zero, **sections.pop("parallel", {})}
+    run = Run(cfg_for(root, probe.cache, parallel=parallel, **sections))
+    run.after_steps(after, committed)
+    probe.remove_node_of(run.node_of_rank(rank))
+    return run.finish()
+
+
+SCENARIOS = {
+    "node loss mid-run, dp2 -> dp1, zero 0": lambda p, r: node_loss(p, r, zero=0),
+    "node loss mid-run, dp2 -> dp1, zero 1": lambda p, r: node_loss(p, r, zero=1),
+    "node loss mid-run, dp2 -> dp1, zero 2": lambda p, r: node_loss(p, r, zero=2),
+    "node loss mid-run, dp2 -> dp1, zero 3": lambda p, r: node_loss(p, r, zero=3),
+    "node loss, dp4 -> dp3, global batch kept": lambda p, r: node_loss(
+        p, r, zero=2, dp=4, nodes=4, rank=3, parallel={"micro_batch_size": 1}, train={"global_batch_size": 12}),
+    "node loss, dp2 x pp2 -> dp1 x pp2": lambda p, r: node_loss(
+        p, r, zero=1, nodes=2, cpus=4, rank=0, parallel={"pp": 2, "schedule": "1f1b"}),
+    "node loss, dp2 x pp2 x tp2 -> dp1 x pp2 x tp2": lambda p, r: node_loss(
+        p, r, zero=0, nodes=2, cpus=7, rank=0, parallel={"pp": 2, "tp": 2, "micro_batch_size": 1}),
+    "node loss before the first checkpoint": lambda p, r: node_loss(
+        p, r, after=1, committed=None, checkpoint={"every": 4}),
+}
+
+
+def scenario(name):
+    def register(fn):
+        SCENARIOS[name] = fn
+        return fn
+    return register
+
+
+@scenario("node loss mid-async-write (slow storage)")
+def _mid_write(probe, root):
+    probe.reset(2, 2)
+    run = Run(cfg_for(root, probe.cache, checkpoint={"async_save": True}), worker_cls=SlowWriteWorker)
+    Path(root, "runs").mkdir(parents=True, exist_ok=True)
+    pending = lambda: run.trainer.checkpoints.pending  # noqa: E731
+    wait_until(lambda: pending() is not None and pending().step == 4, "the save of step 4 in flight")
+    probe.remove_node_of(run.node_of_rank(1))
+    wait_until(lambda: run.trainer.restarts or not run.thread.is_alive(), "the restart")
+    Path(root, "runs", "release-writes").touch()  # storage answers again
+    return run.finish()
+
+
+@scenario("two node losses in a row")
+def _two_losses(probe, root):
+    probe.reset(3, 2)
+    run = Run(cfg_for(root, probe.cache))
+    run.after_steps(2)
+    probe.remove_node_of(run.node_of_rank(1))
+    wait_until(lambda: run.trainer.restarts or not run.thread.is_alive(), "the first restart")
+    done = len(run.trainer.history)
+    run.after_steps(done + 1)
+    probe.remove_node_of(run.node_of_rank(0))
+    return run.finish()
+
+
+def _loss_mid_restart(probe, root, bundle: int):
+    """A node lost after step 3; while the restart's new group is placed (before its actors
+    start), the node holding bundle `bundle` of it is lost too."""
+    probe.reset(3, 2)
+    placed, go = threading.Event(), threading.Event()
+    where: dict = {}
+
+    def on_event(name, info):
+        if name == "placed" and where.get("armed") and not placed.is_set():
+            where["nodes"] = info["bundle_nodes"]
+            placed.set()
+            go.wait(BOUND_S)
+
+    # The bundle's actor waits for its rescheduled placement group: the rendezvous timeout ends it.
+    run = Run(cfg_for(root, probe.cache, resources={"rendezvous_timeout_s": 20}), on_event=on_event)
+    run.after_steps(3, committed=2)
+    where["armed"] = True
+    probe.remove_node_of(run.node_of_rank(1))
+    wait_until(placed.is_set, "the restart's placement")
+    probe.remove_node_of(where["nodes"][bundle])
+    go.set()
+    return run.finish()
+
+
+SCENARIOS["node loss mid-restart, on the node of the first bundle"] = lambda p, r: _loss_mid_restart(p, r, 0)
+SCENARIOS["node loss mid-restart, on the node of another bundle"] = lambda p, r: _loss_mid_restart(p, r, 1)
+
+
+@scenario("node loss, then the node returns: grow back")
+def _grow_back(probe, root):
+    """The node returns while the restart's group is placed, so it is there by the next save."""
+    probe.reset(2, 2)
+    placed = threading.Event()
+    armed: dict = {}
+
+    def on_event(name, info):
+        if name == "placed" and armed and not placed.is_set():
+            placed.set()
+            armed["go"].wait(BOUND_S)
+
+    tracking = {"enabled": True, "tracking_uri": f"sqlite:///{root}/mlflow.db"}
+    run = Run(cfg_for(root, probe.cache, tracking=tracking), on_event=on_event)
+    run.after_steps(2)
+    armed["go"] = threading.Event()
+    probe.remove_node_of(run.node_of_rank(1))
+    wait_until(placed.is_set, "the restart's placement")
+    probe.add_node(2)
+    probe.cluster.wait_for_nodes()
+    armed["go"].set()
+    run_id, uri = run.trainer.tracker.run_id, run.trainer.tracker.uri
+    result = run.finish()
+    return {**result, "mlflow": mlflow_record(uri, run_id)}
+
+
+def mlflow_record(uri: str, run_id: str) -> dict:
+    """What the MLflow run shows: its status and tags, every logged loss step, the events."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    return {"status": run.info.status, "tags": run.data.tags,
+            "loss_steps": sorted(m.step for m in client.get_metric_history(run_id, "loss")),
+            "elastic_dp": [m.value for m in client.get_metric_history(run_id, "elastic_dp")],
+            "events": sorted(a.path for a in client.list_artifacts(run_id, "events"))}
+
+
+@scenario("no room for one replica: the wait times out and names its knob")
+def _no_room(probe, root):
+    probe.reset(1, 2)
+    run = Run(cfg_for(root, probe.cache, parallel={"dp": 1}, elastic={"wait_for_resources_s": 2}))
+    run.after_steps(2)
+    for node in list(probe.nodes):
+        probe.remove_node_of(node.node_id)
+    return run.finish()
+
+
+@scenario("driver killed with SIGKILL, the command run again")
+def _driver_killed(probe, root):
+    probe.reset(2, 2)
+    cfg = cfg_for(root, probe.cache)
+    cfg_path, history = Path(root, "cfg.json"), Path(root, "history.jsonl")
+    cfg_path.write_text(json.dumps(cfg))
+    env = {**os.environ, "RAY_ADDRESS": probe.cluster.address}
+    cmd = [sys.executable, __file__, "--driver", str(cfg_path), str(history)]
+    first = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    committed = Path(cfg["checkpoint"]["dir"], "step-00000004", "raymp.json")
+    wait_until(lambda: committed.exists() or first.poll() is not None, "the checkpoint of step 4")
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=BOUND_S)
+    lines = [json.loads(line) for line in history.read_text().splitlines()]
+    final = {}
+    for m in lines:  # the rerun's steps replace the killed driver's
+        final[m["step"]] = m
+    return {"history": [final[s] for s in sorted(final)], "restarts": [], "failures": [],
+            "resumed_step": next((m["step"] for m in lines if m.get("driver") == 2), None),
+            "error": None if second.returncode == 0 else second.stderr[-2000:]}
+
+
+def driver(cfg_path: str, history_path: str) -> None:
+    """One driver of a run: appends each step to HISTORY as it finishes."""
+    ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+    cfg = json.loads(Path(cfg_path).read_text())
+    attempt = 2 if Path(history_path).exists() else 1
+    with Trainer(cfg, progress=False) as trainer, open(history_path, "a") as out:
+        trainer.setup()
+        while trainer.global_step < cfg["train"]["steps"]:
+            m = trainer.step()
+            out.write(json.dumps({"step": m["step"], "loss": m["loss"], "driver": attempt,
+                                  "sample_ids": m["sample_ids"].tolist()}) + "\n")
+            out.flush()
+
+
+def main() -> None:
+    if sys.argv[1] == "--driver":
+        driver(sys.argv[2], sys.argv[3])
+        return
+    cache, out_path, names = sys.argv[1], sys.argv[2], sys.argv[3:] or list(SCENARIOS)
+    probe = Probe(cache)
+    with open(out_path, "a") as out:
+        for name in names:
+            root = tempfile.mkdtemp(prefix="raymp-fault-")
+            t0 = time.monotonic()
+            try:
+                result = SCENARIOS[name](probe, root)
+            except Hung as exc:
+                result = {"error": f"hung: {exc}", "hung": True}
+            except Exception as exc:
+                import traceback
+
+                result = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"}
+            result.update(name=name, elapsed_s=time.monotonic() - t0)
+            out.write(json.dumps(result, default=str) + "\n")
+            out.flush()
+            if result.get("hung"):
+                os._exit(3)  # a thread is stuck: the scenarios after it cannot share this cluster
+    ray.shutdown()
+    probe.cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main()

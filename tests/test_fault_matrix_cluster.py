@@ -1,0 +1,145 @@
+"""The fault matrix on a simulated multi-node cluster: nodes lost mid-run, mid-write, mid-restart,
+twice; grow-back; no room left; a killed driver. Each scenario's steps are checked like a layout
+test's (loss within 1e-5 of one process, samples in the global order) and each ends within its
+bound (fault_cluster_probe.BOUND_S), or the probe records it as hung."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fault_cluster_probe import BOUND_S, SCENARIOS
+from faults import STEPS, Reference, check_against_reference, matrix_cfg
+
+PROBE = Path(__file__).with_name("fault_cluster_probe.py")
+
+
+@pytest.fixture(scope="module")
+def results(data_cache, tmp_path_factory):
+    out = tmp_path_factory.mktemp("faults") / "results.jsonl"
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    proc = subprocess.run([sys.executable, str(PROBE), data_cache, str(out)], capture_output=True, text=True,
+                          timeout=BOUND_S * len(SCENARIOS), env=env, stdin=subprocess.DEVNULL)
+    found = {}
+    if out.exists():
+        found = {r["name"]: r for r in map(json.loads, out.read_text().splitlines())}
+    found["_probe"] = {"returncode": proc.returncode, "stderr": proc.stderr[-3000:]}
+    return found
+
+
+@pytest.fixture(scope="module")
+def refs(data_cache, tmp_path_factory):
+    """One-process references, by the config shape a scenario trains."""
+    root = tmp_path_factory.mktemp("refs")
+    cache: dict = {}
+
+    def of(**sections) -> Reference:
+        key = json.dumps(sections, sort_keys=True)
+        if key not in cache:
+            cache[key] = Reference.of(matrix_cfg(root, data_cache, **sections))
+        return cache[key]
+
+    return of
+
+
+def result_of(results, name: str) -> dict:
+    r = results.get(name)
+    assert r is not None, f"the probe never reached this scenario: {results['_probe']}"
+    assert not r.get("hung"), r["error"]
+    assert r["elapsed_s"] < BOUND_S
+    return r
+
+
+def finished(results, name: str, ref: Reference, steps=range(STEPS)) -> dict:
+    r = result_of(results, name)
+    assert r["error"] is None, r["error"]
+    check_against_reference(r["history"], ref, steps)
+    return r
+
+
+def restart_layouts(r: dict) -> list[tuple[str, int, int]]:
+    return [(e["reason"], e["layout_before"]["dp"], e["layout_after"]["dp"]) for e in r["restarts"]]
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_node_loss_shrinks_at_once_and_matches_one_process(results, refs, zero):
+    r = finished(results, f"node loss mid-run, dp2 -> dp1, zero {zero}", refs())
+    (event,) = r["restarts"]
+    assert restart_layouts(r) == [("failure", 2, 1)]
+    assert event["resumed_step"] == 2 and event["checkpoint"].endswith("step-00000002")
+    # The survivors held a valid layout: no wait for the lost node (elastic.wait_for_resources_s=30).
+    assert event["wait_for_resources_s"] == 0
+
+
+def test_node_loss_dp4_to_dp3_keeps_the_global_batch(results, refs):
+    r = finished(results, "node loss, dp4 -> dp3, global batch kept",
+                 refs(parallel={"micro_batch_size": 1}, train={"global_batch_size": 12}))
+    assert restart_layouts(r) == [("failure", 4, 3)]
+
+
+def test_node_loss_dp2_pp2(results, refs):
+    r = finished(results, "node loss, dp2 x pp2 -> dp1 x pp2", refs())
+    assert restart_layouts(r) == [("failure", 2, 1)] and r["restarts"][0]["layout_after"]["pp"] == 2
+
+
+def test_node_loss_3d(results, refs):
+    r = finished(results, "node loss, dp2 x pp2 x tp2 -> dp1 x pp2 x tp2", refs(parallel={"micro_batch_size": 1}))
+    after = r["restarts"][0]["layout_after"]
+    assert (after["dp"], after["pp"], after["tp"]) == (1, 2, 2)
+
+
+def test_node_loss_before_the_first_checkpoint_starts_over(results, refs):
+    r = finished(results, "node loss before the first checkpoint", refs())
+    assert r["restarts"][0]["resumed_step"] == 0 and r["restarts"][0]["checkpoint"] is None
+
+
+def test_node_loss_mid_async_write(results, refs):
+    r = finished(results, "node loss mid-async-write (slow storage)", refs())
+    (event,) = r["restarts"]
+    # The save of step 4 was in flight and never finished: the previous commit (2) is used.
+    assert event["checkpoint_in_flight"] == 4 and not event["checkpoint_in_flight_committed"]
+    assert event["resumed_step"] == 2
+
+
+def test_two_node_losses_in_a_row(results, refs):
+    r = finished(results, "two node losses in a row", refs())
+    assert [e["reason"] for e in r["restarts"]] == ["failure", "failure"]
+    assert r["restarts"][-1]["layout_after"]["dp"] == 1
+
+
+@pytest.mark.parametrize("bundle", ["the first bundle", "another bundle"])
+def test_node_loss_mid_restart_is_a_new_failure_and_training_goes_on(results, refs, bundle):
+    """Issue: the driver hung in the rendezvous, or the half-built placement group leaked and
+    blocked every retry."""
+    r = finished(results, f"node loss mid-restart, on the node of {bundle}", refs())
+    assert len(r["failures"]) == 2  # the first loss, and the one during the restart
+    (event,) = r["restarts"]
+    assert event["attempts"] == 2 and event["layout_after"]["dp"] == 1
+
+
+def test_grow_back_when_the_node_returns(results, refs):
+    r = finished(results, "node loss, then the node returns: grow back", refs())
+    assert restart_layouts(r) == [("failure", 2, 1), ("grow", 1, 2)]
+    grow = r["restarts"][1]
+    assert [m["dp"] for m in r["history"] if m["step"] >= grow["resumed_step"]] == \
+        [2] * (STEPS - grow["resumed_step"])
+    # One MLflow run tells it: each step once, both restarts, the layout now.
+    run = r["mlflow"]
+    assert run["status"] == "FINISHED" and run["loss_steps"] == list(range(STEPS))
+    assert run["tags"]["raymp.restarts"] == "2" and run["tags"]["raymp.layout"] == "dp2-pp1-tp1-zero2"
+    assert run["events"] == ["events/restart-1.json", "events/restart-2.json"] and run["elastic_dp"] == [1, 2]
+
+
+def test_no_room_for_a_replica_fails_after_the_wait_and_names_the_knob(results):
+    r = result_of(results, "no room for one replica: the wait times out and names its knob")
+    assert r["error"].startswith("ElasticError: ") and "elastic.wait_for_resources_s" in r["error"]
+
+
+def test_driver_killed_and_run_again_continues_exactly(results, refs):
+    r = finished(results, "driver killed with SIGKILL, the command run again", refs())
+    assert r["resumed_step"] is not None and r["resumed_step"] >= 4  # from the committed checkpoint
