@@ -4,6 +4,8 @@ every scenario ends with, and the ways a checkpoint gets damaged."""
 from __future__ import annotations
 
 import shutil
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,3 +93,17 @@ DAMAGE = {
 def copy_checkpoints(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
+
+
+def kill_rank_after(trainer, steps: int, rank: int = 1) -> threading.Thread:
+    """Kill one rank's actor once `steps` steps are done (waits on the history, not a clock)."""
+    import ray
+
+    def kill():
+        while len(trainer.history) < steps:
+            time.sleep(0.02)
+        ray.kill(trainer.group.workers[rank])
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread

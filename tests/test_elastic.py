@@ -8,12 +8,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from faults import kill_rank_after
 from raymp import Trainer
 from raymp.elastic import ElasticError
 from raymp.runtime.actor_group import ActorGroup, WorkerLostError
@@ -27,19 +27,6 @@ def elastic_cfg(tiny_cfg, tmp_path, **elastic):
         elastic={"wait_for_resources_s": 0, **elastic},
         tracking={"enabled": True, "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"},
     )
-
-
-def kill_rank_after(trainer: Trainer, steps: int, rank: int = 1) -> threading.Thread:
-    import ray
-
-    def kill():
-        while len(trainer.history) < steps:
-            time.sleep(0.02)
-        ray.kill(trainer.group.workers[rank])
-
-    thread = threading.Thread(target=kill, daemon=True)
-    thread.start()
-    return thread
 
 
 def test_killed_actor_restarts_the_group_and_training_goes_on(tiny_cfg, tmp_path, group2):

@@ -13,13 +13,12 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from faults import DAMAGE, STEPS, Reference, check_against_reference, copy_checkpoints, matrix_cfg
+from faults import DAMAGE, STEPS, Reference, check_against_reference, copy_checkpoints, kill_rank_after, matrix_cfg
 from raymp import Trainer
 from raymp.checkpoint.store import CheckpointError, CheckpointStore
 from raymp.runtime.actor_group import ActorGroup, PlacementError, WorkerLostError
@@ -40,20 +39,6 @@ def saved(data_cache, tmp_path_factory, group2):
         history = t.fit(SAVED_UP_TO)
     assert [c.step for c in CheckpointStore(str(root / "checkpoints")).committed()] == [2, 4, 6]
     return {"root": root, "dir": root / "checkpoints", "history": history}
-
-
-def kill_rank_after(trainer: Trainer, steps: int, rank: int = 1) -> threading.Thread:
-    """Kill one rank's actor once `steps` steps are done (waits on the history, not a clock)."""
-    import ray
-
-    def kill():
-        while len(trainer.history) < steps:
-            time.sleep(0.02)
-        ray.kill(trainer.group.workers[rank])
-
-    thread = threading.Thread(target=kill, daemon=True)
-    thread.start()
-    return thread
 
 
 # -- damaged checkpoints -----------------------------------------------------------------------

@@ -66,7 +66,7 @@ def restart_layouts(r: dict) -> list[tuple[str, int, int]]:
     return [(e["reason"], e["layout_before"]["dp"], e["layout_after"]["dp"]) for e in r["restarts"]]
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("zero", [0, 2, 3])  # ZeRO-1: the dp2 x pp2 scenario
 def test_node_loss_shrinks_at_once_and_matches_one_process(results, refs, zero):
     r = finished(results, f"node loss mid-run, dp2 -> dp1, zero {zero}", refs())
     (event,) = r["restarts"]
