@@ -648,7 +648,7 @@ class Trainer:
     def relaunch(self, dp: int) -> Checkpoint | None:
         """The run again with `dp` replicas, from the lineage's newest intact state."""
         self.config = with_dp(self.config, dp)
-        restored = self._launch(None if self.lineage.candidates() else self.initial_position)
+        restored = self._launch(self.initial_position)  # the position counts only without a checkpoint
         self.history = [m for m in self.history if m["step"] < self.global_step]
         return restored
 

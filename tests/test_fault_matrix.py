@@ -201,6 +201,21 @@ def test_rewind_then_a_failure_never_loads_the_abandoned_timeline(saved, ref, da
     assert len(aside) == 1 and sorted(os.listdir(ckpt / aside[0])) == ["step-00000004", "step-00000006"]
 
 
+@pytest.mark.timeout(60)
+def test_rewind_into_a_dir_with_a_damaged_newer_checkpoint_is_still_a_rewind(tmp_path):
+    """No Ray: the lineage alone. A damaged checkpoint of the abandoned timeline is not another
+    run's, and never a candidate."""
+    from raymp.checkpoint.lineage import Lineage
+
+    store = CheckpointStore(str(tmp_path / "ck"))
+    for step in (2, 4):
+        store.prepare(step)
+        store.commit(step, {"data_position": {}})
+    DAMAGE["half-written marker"](tmp_path / "ck" / "step-00000004")
+    lineage = Lineage.open(store, f"{tmp_path}/ck/step-00000002")
+    assert lineage.rewound_from == 2 and [c.step for c in lineage.candidates()] == [2]
+
+
 @pytest.mark.timeout(300)
 def test_rerunning_a_warm_start_command_continues_its_own_lineage(saved, ref, data_cache, tmp_path, group2):
     source = f"{saved['dir']}/step-00000002"

@@ -29,18 +29,20 @@ def file_sha256(fs, path: str) -> str:
 
 def rank_files(path: str, rank: int) -> dict[str, str]:
     """{file name: sha256} of what `rank` wrote into the checkpoint directory at `path`."""
-    fs, root = filesystem(path)
     prefix = f"__{rank}_"
-    names = [e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(root, detail=False)]
-    mine = [n for n in names if n.startswith(prefix) or (rank == 0 and n == INDEX)]
-    return {name: file_sha256(fs, f"{root}/{name}") for name in sorted(mine)}
+    return _hashed(path, lambda n: n.startswith(prefix) or (rank == 0 and n == INDEX))
 
 
 def directory_files(path: str) -> dict[str, str]:
     """{file name: sha256} of every file in a checkpoint directory but the commit marker."""
+    return _hashed(path, lambda n: n == INDEX or n.endswith(".distcp"))
+
+
+def _hashed(path: str, wanted) -> dict[str, str]:
+    """{file name: sha256} of the files in the directory at `path` whose name is `wanted`."""
     fs, root = filesystem(path)
-    names = [e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(root, detail=False)]
-    return {n: file_sha256(fs, f"{root}/{n}") for n in sorted(names) if n == INDEX or n.endswith(".distcp")}
+    names = sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(root, detail=False))
+    return {n: file_sha256(fs, f"{root}/{n}") for n in names if wanted(n)}
 
 
 def verify_files(path: str, expected: dict[str, str]) -> list[str]:
@@ -63,7 +65,7 @@ def verify_files(path: str, expected: dict[str, str]) -> list[str]:
 
 
 def shares(files: dict[str, str], world_size: int) -> list[dict[str, str]]:
-    """The files split over `world_size` ranks for verifying in parallel, largest share first."""
+    """The files split over `world_size` ranks (round robin) for verifying in parallel."""
     out: list[dict[str, str]] = [{} for _ in range(world_size)]
     for i, name in enumerate(sorted(files)):
         out[i % world_size][name] = files[name]

@@ -75,7 +75,7 @@ class Lineage:
             return lineage
         lineage = cls(store, uuid.uuid4().hex, source, None if inside else source.path,
                       source.step if inside else None)
-        if not inside and store.committed() or [e for e in store.scan() if e.problem]:
+        if not inside and (store.committed() or any(e.problem for e in store.scan())):
             raise CheckpointError(
                 f"checkpoint.dir {store.root} holds checkpoints of another run; a warm start from {resume} "
                 "needs a checkpoint.dir of its own (or set checkpoint.resume=auto to continue that run)")
