@@ -54,10 +54,10 @@ def run_config(name: str, out_dir: str, *, preset: str = "small", steps: int = 8
 def global_batches(cfg_dict: dict) -> tuple[list[np.ndarray], int]:
     """(the token windows of every step's global batch, in raymp's order; the vocabulary size)."""
     from raymp.config import config_from_dict
-    from raymp.reference import _data
+    from raymp.reference import dataset_and_order
 
     cfg = config_from_dict(cfg_dict)
-    data, order = _data(cfg)
+    data, order = dataset_and_order(cfg)
     return [data.gather(order.batch(s)) for s in range(cfg.train.steps)], data.vocab_size
 
 

@@ -28,20 +28,20 @@ class FixedBatches:
         pass
 
 
-def _rank_main(rank: int, world: int, port: int, cfg_dict: dict, vocab_size: int, batches, threads: int,
+def _rank_main(rank: int, world: int, port: int, cfg, vocab_size: int, batches, threads: int,
                results) -> None:
     from raymp.runtime.worker import Worker
 
     worker = Worker(threads)
     worker.init_distributed(rank, world, "127.0.0.1", port, "gloo", 300)
-    worker.setup(cfg_dict, vocab_size)
+    worker.setup(cfg, vocab_size)
     if worker.coords["pp"] == 0:
-        worker.stream = FixedBatches(batches, cfg_dict["parallel"]["dp"], worker.coords["dp"])
+        worker.stream = FixedBatches(batches, cfg.parallel.dp, worker.coords["dp"])
     ends, losses = [], []
     for step in range(len(batches)):
         out = worker.train_step(step)
         ends.append(time.time())
-        losses.append(out["loss"])
+        losses.append(out.loss)
     results.put((rank, ends, losses))
     worker.shutdown()
 
@@ -50,17 +50,17 @@ def run_plain(cfg_dict: dict, batches: list[np.ndarray], vocab_size: int, thread
     """Spawn dp*pp*tp processes, train, return the step times (slowest rank) and mean loss."""
     p = cfg_dict["parallel"]
     world = p["dp"] * p["pp"] * p.get("tp", 1)
-    from raymp.config import config_from_dict, resolved_dict
-    from raymp.trainer import with_stage_split
+    from raymp.config import config_from_dict
+    from raymp.driver.launch import with_stage_split
 
-    cfg_dict = resolved_dict(with_stage_split(config_from_dict(cfg_dict), vocab_size))
+    cfg = with_stage_split(config_from_dict(cfg_dict), vocab_size)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     start = time.time()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, cfg_dict, vocab_size, batches, threads, results))
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, cfg, vocab_size, batches, threads, results))
              for r in range(world)]
     for proc in procs:
         proc.start()

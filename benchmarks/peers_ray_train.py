@@ -86,9 +86,9 @@ def dp_loop(config: dict) -> None:
 
     torch.set_num_threads(config["threads"])
     if config["raymp_malloc"]:
-        from raymp.runtime.worker import _return_large_buffers_to_os
+        from raymp.runtime.worker import return_large_buffers_to_os
 
-        _return_large_buffers_to_os()
+        return_large_buffers_to_os()
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = _device()

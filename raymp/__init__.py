@@ -1,8 +1,7 @@
 """raymp: elastic distributed training of large models on Ray actors."""
 
-__version__ = "0.1.0"
-
-from raymp.config import ConfigError, RunConfig, load_config  # noqa: E402
+from raymp.config import ConfigError, RunConfig, load_config
+from raymp.version import __version__
 
 
 def __getattr__(name):

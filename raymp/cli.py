@@ -10,7 +10,7 @@ import yaml
 
 
 def _parser() -> argparse.ArgumentParser:
-    from raymp import __version__
+    from raymp.version import __version__
 
     parser = argparse.ArgumentParser(
         prog="raymp", description="Distributed training of large models on Ray actors.",
@@ -130,11 +130,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _prepare_data(args) -> int:
-    from raymp.config import apply_overrides, config_from_dict
+    from raymp.config import load_config
     from raymp.data.prepare import describe, prepare
 
-    raw = apply_overrides((yaml.safe_load(open(args.config)) or {}) if args.config else {}, args.overrides)
-    cfg = config_from_dict(raw)
+    cfg = load_config(args.config, args.overrides)
     d = cfg.data
     source = args.source or d.source
     root, manifest = prepare(
@@ -149,12 +148,11 @@ def _prepare_data(args) -> int:
 
 
 def _runs(args) -> int:
-    from raymp.config import apply_overrides, config_from_dict
+    from raymp.config import load_config
     from raymp.runs import compare_runs, format_rows, list_runs
     from raymp.tracking import default_tracking_uri
 
-    raw = apply_overrides((yaml.safe_load(open(args.config)) or {}) if args.config else {}, args.overrides)
-    cfg = config_from_dict(raw)
+    cfg = load_config(args.config, args.overrides)
     uri = args.tracking_uri or cfg.tracking.tracking_uri or default_tracking_uri(cfg.output_dir)
     experiment = args.experiment or cfg.tracking.experiment
     if args.compare:
@@ -214,14 +212,13 @@ def _interrupt(signum, frame):
 
 
 def _plan(args) -> int:
-    from raymp.config import TOKENIZER_VOCAB, ConfigError, apply_overrides, config_from_dict
-    from raymp.models import count_parameters, model_args
-    from raymp.planner import Layout, cluster_from_config, format_plan, plan, explain
+    from raymp.config import ConfigError, apply_overrides, config_from_dict, read_config_file
+    from raymp.layout import Layout
+    from raymp.models import model_args
+    from raymp.models.shape import TOKENIZER_VOCAB, model_shape
+    from raymp.planner import cluster_from_config, format_plan, plan, explain
 
-    data = {}
-    if args.config:
-        data = yaml.safe_load(open(args.config)) or {}
-    data = apply_overrides(data, args.overrides)
+    data = apply_overrides(read_config_file(args.config) if args.config else {}, args.overrides)
     data.pop("parallel", None)  # the plan chooses it
     if args.model:
         data["model"] = {"preset": args.model}
@@ -240,14 +237,15 @@ def _plan(args) -> int:
     if train.get("seq_len"):  # plan for the context asked for, whatever the preset's default
         data["model"] = {**data.get("model", {}), "max_seq_len": train["seq_len"]}
     cfg = config_from_dict(data)
-    vocab = cfg.model.vocab_size or TOKENIZER_VOCAB[cfg.data.tokenizer]
+    vocab = cfg.model.vocab_size or TOKENIZER_VOCAB.get(cfg.data.tokenizer, 256)
     margs = model_args(cfg.model, vocab)
+    shape = model_shape(cfg.model, vocab, cfg.data.tokenizer)
     spec = cluster_from_config(cfg.cluster)
     bf16 = cfg.precision == "bf16"
-    print(f"{cfg.model.preset or 'model'}: {count_parameters(margs) / 1e9:.2f}B parameters on "
+    print(f"{cfg.model.preset or 'model'}: {margs.num_params / 1e9:.2f}B parameters on "
           f"{spec.nodes} x {spec.gpus_per_node} devices of {spec.gpu_memory_gb:g} GB; global batch "
           f"{cfg.train.global_batch_size} x {cfg.train.seq_len} tokens; {cfg.precision}")
-    result = plan(margs, spec, cfg.train.global_batch_size, cfg.train.seq_len, bf16)
+    result = plan(margs, spec, cfg.train.global_batch_size, cfg.train.seq_len, bf16, shape=shape)
     print(format_plan(result, args.top))
     if args.compare:
         try:
@@ -258,7 +256,7 @@ def _plan(args) -> int:
                             fields.get("schedule", "1f1b"))
         except ValueError:
             raise ConfigError(f"--compare {args.compare!r}: write it as dp=8,pp=4,tp=2,zero=2") from None
-        print(explain(margs, layout, spec, cfg.train.global_batch_size, cfg.train.seq_len, bf16, result))
+        print(explain(margs, layout, spec, cfg.train.global_batch_size, cfg.train.seq_len, bf16, result, shape))
     return 0
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+from raymp.layout import Layout, ModelShape
+
 GB = 1e9
 
 
@@ -60,29 +62,6 @@ class Cluster:
 def cluster_from_config(c) -> Cluster:
     return Cluster(c.nodes, c.gpus_per_node, c.gpu_memory_gb, c.gpu_tflops, c.intra_node_gbps,
                    c.inter_node_gbps)
-
-
-@dataclass(frozen=True)
-class Layout:
-    dp: int
-    pp: int
-    tp: int
-    zero: int
-    micro_batch_size: int
-    activation_checkpointing: bool = False
-    sequence_parallel: bool = False
-    schedule: str = "1f1b"
-
-    @classmethod
-    def of(cls, parallel) -> "Layout":
-        """The layout a config's `parallel` section describes."""
-        return cls(parallel.dp, parallel.pp, parallel.tp, parallel.zero, parallel.micro_batch_size,
-                   parallel.activation_checkpointing, parallel.sequence_parallel, parallel.schedule)
-
-    def describe(self) -> str:
-        extra = (" +AC" if self.activation_checkpointing else "") + (" +SP" if self.sequence_parallel else "")
-        return (f"dp={self.dp} pp={self.pp} tp={self.tp} zero={self.zero} mbs={self.micro_batch_size} "
-                f"{self.schedule if self.pp > 1 else ''}{extra}").replace("  ", " ").strip()
 
 
 # -- model arithmetic ---------------------------------------------------------------------------
@@ -169,9 +148,9 @@ def estimate(args, layout: Layout, global_batch: int, seq_len: int, bf16: bool,
     from raymp.parallel.pipeline import local_stages
 
     pp, tp = layout.pp, layout.tp
-    stages = layout.pp * (2 if layout.schedule in ("zbv", "dualpipev") else 1)
-    layers = stage_layers or (_balanced(args, stages) if pp > 1 else [list(range(args.n_layers))])
-    micro = global_batch // (layout.dp * layout.micro_batch_size)
+    stage_layers = stage_layers or ([list(s) for s in layout.stage_layers] if layout.stage_layers else None)
+    layers = stage_layers or (_balanced(args, layout.num_stages) if pp > 1 else [list(range(args.n_layers))])
+    micro = layout.micro_batches(global_batch)
     act_bytes = 2 if bf16 else 4
     tokens = layout.micro_batch_size * seq_len
     per_block, block_input = activation_elements_per_token(args, tp, layout.sequence_parallel)
@@ -221,10 +200,9 @@ def step_seconds(args, layout: Layout, cluster: Cluster, global_batch: int, seq_
     flops = step_flops(args, global_batch, seq_len)
     if layout.activation_checkpointing:
         flops *= 4 / 3
-    world = layout.dp * layout.pp * layout.tp
-    compute = flops / (world * cluster.gpu_tflops * 1e12 * cluster.achievable_mfu)
-    micro = global_batch // (layout.dp * layout.micro_batch_size)
-    bubble = theoretical_bubble(layout.schedule, layout.pp, micro, 1) if layout.pp > 1 else 0.0
+    compute = flops / (layout.world_size * cluster.gpu_tflops * 1e12 * cluster.achievable_mfu)
+    micro = layout.micro_batches(global_batch)
+    bubble = theoretical_bubble(layout.schedule, layout.pp, micro, layout.stages_per_rank) if layout.pp > 1 else 0.0
     compute /= 1 - (bubble or 0.0)
     tp_time = 0.0
     if layout.tp > 1:  # 4 all-reduces of a micro-batch's hidden states per block (2 fwd, 2 bwd)
@@ -233,7 +211,7 @@ def step_seconds(args, layout: Layout, cluster: Cluster, global_batch: int, seq_
     dp_time = 0.0
     if layout.dp > 1:
         grads = args.num_params / (layout.pp * layout.tp) * 4  # fp32 gradients of one rank's shard of the model
-        spans_nodes = layout.dp * layout.pp * layout.tp > cluster.gpus_per_node
+        spans_nodes = layout.world_size > cluster.gpus_per_node
         bw = (cluster.inter_node_gbps if spans_nodes else cluster.intra_node_gbps) * GB
         dp_time = 2 * grads * (layout.dp - 1) / layout.dp / bw * 0.5  # half hidden behind backward
     total = compute + tp_time + dp_time
@@ -275,50 +253,44 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layout_problem(args, layout: Layout, global_batch: int, seq_len: int, cluster: Cluster) -> str:
-    """Why a layout cannot run at all (before memory), or ''."""
-    if layout.tp > cluster.gpus_per_node:
-        return f"tp={layout.tp} exceeds {cluster.gpus_per_node} GPUs per node"
-    for name, value in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads),
-                        ("ffn_dim", args.ffn_dim), ("vocab_size", args.vocab_size)):
-        if value % layout.tp:
-            return f"tp={layout.tp} does not divide {name}={value}"
-    if layout.pp > args.n_layers:
-        return f"pp={layout.pp} exceeds {args.n_layers} layers"
-    if global_batch % (layout.dp * layout.micro_batch_size):
-        return f"global batch {global_batch} not divisible by dp x micro-batch"
-    micro = global_batch // (layout.dp * layout.micro_batch_size)
-    if layout.pp > 1 and micro < layout.pp:
-        return f"{micro} micro-batches per replica < pp={layout.pp}"
-    if layout.tp > 1 and layout.zero == 1:
-        return "zero=1 does not take TP parameters"
-    return ""
+def layout_problem(args, layout: Layout, global_batch: int, seq_len: int, cluster: Cluster,
+                   shape: ModelShape | None = None) -> str:
+    """Why a layout cannot run at all (before memory), or '': the layout's own rules
+    (raymp.layout), for `shape` (default: the built-in model of `args`' shape)."""
+    problems = layout.problems(shape or ModelShape.of_args(args), global_batch, seq_len, cluster.gpus_per_node)
+    return problems[0] if problems else ""
+
+
+def proposals(cluster: Cluster, shape: ModelShape, seq_len: int, micro_batch_sizes=(1, 2, 4)):
+    """The layouts worth judging on `cluster`: no no-ops (ZeRO at dp=1 changes nothing), and
+    sequence parallelism wherever the model and sequence length allow it with tp > 1."""
+    world = cluster.world
+    for tp in _divisors(cluster.gpus_per_node):
+        sp = tp > 1 and shape.sequence_parallel and seq_len % tp == 0
+        for pp in _divisors(world // tp):
+            dp = world // (tp * pp)
+            for zero in ((1, 2, 3) if dp > 1 else (0,)):
+                for mbs in micro_batch_sizes:
+                    for ac in (False, True):
+                        yield Layout(dp, pp, tp, zero, mbs, ac, sequence_parallel=sp)
 
 
 def plan(args, cluster: Cluster, global_batch: int, seq_len: int, bf16: bool = True,
-         micro_batch_sizes=(1, 2, 4)) -> Plan:
-    """Every layout of the cluster's devices, estimated; feasible ones ranked by throughput."""
+         micro_batch_sizes=(1, 2, 4), shape: ModelShape | None = None) -> Plan:
+    """Every layout of the cluster's devices that runs (by the layout rules), estimated;
+    feasible ones ranked by throughput."""
+    shape = shape or ModelShape.of_args(args)
     result = Plan()
-    world = cluster.world
-    for tp in _divisors(cluster.gpus_per_node):
-        for pp in _divisors(world // tp):
-            dp = world // (tp * pp)
-            for zero in (1, 2, 3):
-                for mbs in micro_batch_sizes:
-                    for ac in (False, True):
-                        layout = Layout(dp, pp, tp, zero, mbs, ac, sequence_parallel=tp > 1)
-                        problem = layout_problem(args, layout, global_batch, seq_len, cluster)
-                        if problem:
-                            continue
-                        ranks = estimate(args, layout, global_batch, seq_len, bf16)
-                        peak = max(r.total_bytes for r in ranks)
-                        limit = cluster.gpu_memory_gb * GB * cluster.usable_fraction
-                        fits = peak <= limit
-                        reason = "" if fits else f"needs {peak / GB:.1f} GB per GPU > {limit / GB:.1f} GB usable"
-                        result.candidates.append(
-                            Candidate(layout, ranks, step_seconds(args, layout, cluster, global_batch, seq_len),
-                                      fits, reason)
-                        )
+    limit = cluster.gpu_memory_gb * GB * cluster.usable_fraction
+    for layout in proposals(cluster, shape, seq_len, micro_batch_sizes):
+        if layout_problem(args, layout, global_batch, seq_len, cluster, shape):
+            continue
+        ranks = estimate(args, layout, global_batch, seq_len, bf16)
+        peak = max(r.total_bytes for r in ranks)
+        fits = peak <= limit
+        reason = "" if fits else f"needs {peak / GB:.1f} GB per GPU > {limit / GB:.1f} GB usable"
+        result.candidates.append(
+            Candidate(layout, ranks, step_seconds(args, layout, cluster, global_batch, seq_len), fits, reason))
     return result
 
 
@@ -336,7 +308,7 @@ def format_plan(p: Plan, top: int = 5) -> str:
         lines.append(f"{len(feasible)} of {len(p.candidates)} layouts fit. Best first:")
         for c in feasible[:top]:
             t = c.time
-            lines.append(f"  {c.layout.describe():<40} ~{t['tokens_per_s']:,.0f} tokens/s, step "
+            lines.append(f"  {c.layout.text(detail=True):<40} ~{t['tokens_per_s']:,.0f} tokens/s, step "
                          f"{t['step_s']:.2f}s (bubble {t['bubble']:.0%}); {breakdown(c)}")
     else:
         lines.append(f"none of {len(p.candidates)} layouts fit.")
@@ -344,20 +316,20 @@ def format_plan(p: Plan, top: int = 5) -> str:
     if misses:
         lines.append("Closest that do not fit:")
         for c in misses[:3]:
-            lines.append(f"  {c.layout.describe():<40} {c.reason}; {breakdown(c)}")
+            lines.append(f"  {c.layout.text(detail=True):<40} {c.reason}; {breakdown(c)}")
     return "\n".join(lines)
 
 
 
 def explain(args, layout: Layout, cluster: Cluster, global_batch: int, seq_len: int, bf16: bool,
-            result: Plan | None = None) -> str:
+            result: Plan | None = None, shape: ModelShape | None = None) -> str:
     """One layout, judged: can it run, does it fit (and what would make it fit), and how it
     compares with the plan's best."""
     import dataclasses
 
-    problem = layout_problem(args, layout, global_batch, seq_len, cluster)
+    problem = layout_problem(args, layout, global_batch, seq_len, cluster, shape)
     if problem:
-        return f"Compared layout {layout.describe()}: cannot run: {problem}."
+        return f"Compared layout {layout.text(detail=True)}: cannot run: {problem}."
     limit = cluster.gpu_memory_gb * GB * cluster.usable_fraction
 
     def judge(lay: Layout) -> Candidate:
@@ -367,19 +339,19 @@ def explain(args, layout: Layout, cluster: Cluster, global_batch: int, seq_len: 
 
     c = judge(layout)
     verdict = "fits" if c.fits else "does NOT fit"
-    lines = [f"Compared layout {layout.describe()}: {verdict} in {limit / GB:.1f} GB usable per GPU; "
+    lines = [f"Compared layout {layout.text(detail=True)}: {verdict} in {limit / GB:.1f} GB usable per GPU; "
              f"{breakdown(c)}; ~{c.time['tokens_per_s']:,.0f} tokens/s."]
     if not c.fits:
         fixes = []
         for change in ({"zero": 3}, {"activation_checkpointing": True},
                        {"zero": 3, "activation_checkpointing": True}):
             variant = judge(dataclasses.replace(layout, **change))
-            if layout_problem(args, variant.layout, global_batch, seq_len, cluster) == "":
+            if layout_problem(args, variant.layout, global_batch, seq_len, cluster, shape) == "":
                 fixes.append(f"{', '.join(f'{k}={v}' for k, v in change.items())}: "
                              f"{variant.peak_bytes / GB:.1f} GB ({'fits' if variant.fits else 'still too big'})")
         lines.append("  With changes: " + "; ".join(fixes) + ".")
-    best = (result or plan(args, cluster, global_batch, seq_len, bf16)).best
+    best = (result or plan(args, cluster, global_batch, seq_len, bf16, shape=shape)).best
     if best is not None:
-        lines.append(f"  The plan's best, {best.layout.describe()}, needs {best.peak_bytes / GB:.1f} GB per GPU "
+        lines.append(f"  The plan's best, {best.layout.text(detail=True)}, needs {best.peak_bytes / GB:.1f} GB per GPU "
                      f"at ~{best.time['tokens_per_s']:,.0f} tokens/s.")
     return "\n".join(lines)

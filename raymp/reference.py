@@ -18,7 +18,7 @@ from raymp.optim import build_optimizer, build_scheduler
 def train_single_process(cfg: RunConfig, steps: int | None = None) -> tuple[list[float], dict]:
     """Returns (loss per step, final state dict). Each step averages the loss over the whole
     global batch, processed in chunks of micro_batch_size (memory only; the math is the same)."""
-    data, order = _data(cfg)
+    data, order = dataset_and_order(cfg)
     model = build_model(model_spec(cfg.model, data.vocab_size, cfg.seed), cfg.seed)
     optimizer = build_optimizer(model.parameters(), cfg.optimizer)
     scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.train.steps)
@@ -47,7 +47,7 @@ def train_single_process(cfg: RunConfig, steps: int | None = None) -> tuple[list
 def single_process_gradients(cfg: RunConfig) -> dict[str, torch.Tensor]:
     """Gradient of the first step's loss (mean over its micro-batches) for every parameter, by
     name, before clipping or any update: what each parallel layout must reproduce exactly."""
-    data, order = _data(cfg)
+    data, order = dataset_and_order(cfg)
     model = build_model(model_spec(cfg.model, data.vocab_size, cfg.seed), cfg.seed)
     chunks = data.gather(order.batch(0)).reshape(-1, cfg.parallel.micro_batch_size, cfg.train.seq_len + 1)
     for chunk in chunks:
@@ -59,7 +59,7 @@ def single_process_gradients(cfg: RunConfig) -> dict[str, torch.Tensor]:
     return grads
 
 
-def _data(cfg: RunConfig):
+def dataset_and_order(cfg: RunConfig):
     """The same prepared dataset and global order a distributed run reads."""
     data = load_dataset(cfg.data, cfg.train.seq_len, log=lambda *_: None)
     return data, TrainOrder(data.num_samples, cfg.data.val_fraction, cfg.seed, cfg.train.global_batch_size)
@@ -69,7 +69,7 @@ def _data(cfg: RunConfig):
 def single_process_val_loss(cfg: RunConfig, weights: dict[str, torch.Tensor]) -> float:
     """Mean loss of `weights` over the held-out batches a run validates on (the first
     train.eval_batches global batches of the validation split), micro-batch by micro-batch."""
-    data, order = _data(cfg)
+    data, order = dataset_and_order(cfg)
     model = build_model(model_spec(cfg.model, data.vocab_size, cfg.seed), cfg.seed)
     model.load_state_dict(weights)
     g, mb = cfg.train.global_batch_size, cfg.parallel.micro_batch_size

@@ -72,3 +72,18 @@ def write_timeline(events_by_pp_rank: list[list], directory: str | Path, title: 
     trace = directory / "timeline.json"
     trace.write_text(json.dumps(chrome_trace(events_by_pp_rank, title)))
     return {"png": png, "trace": trace}
+
+
+def run_timeline(events, step: int, cfg, history: list[dict], run_name: str, directory) -> dict[str, Path]:
+    """A run's last pipelined step drawn, titled with its schedule, micro-batches and bubble
+    (measured, and in theory)."""
+    if cfg.parallel.pp == 1:
+        raise RuntimeError("timeline() needs a pipeline: parallel.pp is 1")
+    if not events:
+        raise RuntimeError("no step has run yet; call step() or fit() first")
+    lay, metrics = cfg.parallel.layout, history[-1]
+    theory = metrics["bubble_fraction_theory"]
+    title = (f"{run_name}: step {step}, schedule {lay.schedule}, pp={lay.pp}, "
+             f"{lay.micro_batches(cfg.train.global_batch_size)} micro-batches; bubble {metrics['bubble_fraction']:.1%}"
+             + (f" (theory {theory:.1%})" if theory is not None else ""))
+    return write_timeline(events, directory, title)

@@ -40,7 +40,7 @@ class HangingWorker(Worker):
     def arm_hang(self, step: int, rank: int, seconds: float) -> None:
         self._hang = (step, rank, seconds)
 
-    def train_step(self, step: int) -> dict:
+    def train_step(self, step: int):
         hang_step, rank, seconds = getattr(self, "_hang", (None, None, 0))
         if step == hang_step and self.rank == rank:
             time.sleep(seconds)

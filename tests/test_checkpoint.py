@@ -90,7 +90,7 @@ def test_checkpoint_dir_layout_and_keep_last(saved):
 def test_store_commits_atomically_prunes_and_ignores_unfinished(tmp_path):
     store = CheckpointStore(f"file://{tmp_path}/ck", keep_last=2)  # a URI: the fsspec path
     for step in (2, 4, 6):
-        path = store.prepare(step)
+        store.prepare(step)
         (tmp_path / "ck" / f"step-{step:08d}" / "shard").write_text("x")
         assert store.latest() is None or store.latest().step < step  # not committed yet
         store.commit(step, {"data_position": {"step": step}})

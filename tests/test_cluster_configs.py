@@ -14,7 +14,8 @@ import yaml
 
 from raymp.config import load_config
 from raymp.models import model_args
-from raymp.planner import Layout, cluster_from_config, estimate
+from raymp.layout import Layout
+from raymp.planner import cluster_from_config, estimate
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHER = sorted((ROOT / "cluster" / "launcher").glob("*.yaml"))

@@ -10,7 +10,7 @@ import torch
 from raymp import Trainer
 from raymp.config import ConfigError, config_from_dict
 from raymp.data import DataPosition, TrainOrder
-from raymp.data.stream import local_node_if_local_path, on_node
+from raymp.data.ray_context import local_node_if_local_path, on_node
 from raymp.reference import single_process_val_loss
 
 SEQ = 16
@@ -129,6 +129,5 @@ def test_local_shards_are_read_on_the_driver_node_and_uris_anywhere(ray_local):
     assert local_node_if_local_path("/data/prepared") == node
     assert local_node_if_local_path("s3://bucket/prepared") is None
     assert local_node_if_local_path("file:///mnt/shared/prepared") is None
-    strategy = on_node(node)["scheduling_strategy"]
-    assert strategy.node_id == node and strategy.soft is False
+    assert on_node(node) == {"label_selector": {"ray.io/node-id": node}}
     assert on_node(None) == {}

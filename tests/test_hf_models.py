@@ -76,12 +76,24 @@ def test_model_config_takes_its_shape_from_the_hf_config():
     ({"hf_config": LLAMA, "dim": 128}, {}, "model.dim come from the Hugging Face config"),
     ({"hf_config": LLAMA, "factory": "x:y"}, {}, "set one of model.hf_config or model.factory"),
     ({"hf_config": {**LLAMA, "num_key_value_heads": 1}}, {"tp": 2}, r"must divide num_key_value_heads \(1\)"),
-    ({"hf_config": LLAMA}, {"tp": 2, "sequence_parallel": True}, "built-in model only"),
+    ({"hf_config": LLAMA}, {"tp": 2, "sequence_parallel": True}, "implemented for the built-in model, not the Hugging Face"),
     ({"factory": "custom_model:build"}, {"tp": 2}, "model.factory_tp_plan"),
+    # The glue runs layers with no mask: a window shorter than train.seq_len (128) would be ignored.
+    ({"hf_config": {**LLAMA, "model_type": "mistral", "sliding_window": 16}}, {},
+     r"sliding-window attention \(sliding_window=16, on every layer\) shorter than train.seq_len \(128\)"),
+    ({"hf_config": {**LLAMA, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16,
+                    "max_window_layers": 2}}, {}, r"sliding_window=16, on \[2, 3\]"),
 ])
 def test_bad_model_configs_fail_early_and_name_the_fix(model, parallel, match):
     with pytest.raises(ConfigError, match=match):
         config_from_dict({"model": model, "parallel": {"dp": 1, **parallel}})
+
+
+def test_sliding_windows_no_shorter_than_the_sequence_are_accepted():
+    mistral = {**LLAMA, "model_type": "mistral", "sliding_window": 128}  # = train.seq_len: no effect
+    qwen2 = {**LLAMA, "model_type": "qwen2", "use_sliding_window": False, "sliding_window": 16}  # off
+    for hf_config in (mistral, qwen2):
+        assert config_from_dict({"model": {"hf_config": hf_config}}).train.seq_len == 128
 
 
 # -- parity against one process -------------------------------------------------------------------
@@ -155,7 +167,7 @@ def test_pp2_tp2_loading_holds_a_quarter_of_the_weights_per_rank(big_llama_dir, 
     try:
         cfg = hf_run(tiny_cfg, model, {"dp": 1, "pp": 2, "tp": 2, "micro_batch_size": 1}, steps=1)
         with Trainer(cfg, actor_group=group, progress=False).setup() as trainer:
-            loads = [info["setup_peak_bytes"] for info in trainer.setup_info]
+            loads = [info["setup_peak_bytes"] for info in trainer.session.setup_info]
             loss = trainer.step()["loss"]
         for rank, grew in enumerate(loads):
             assert grew <= 0.40 * full, f"rank {rank} grew {grew / 2**20:.0f} MiB for {full / 2**20:.0f} MiB of weights"
@@ -163,7 +175,7 @@ def test_pp2_tp2_loading_holds_a_quarter_of_the_weights_per_rank(big_llama_dir, 
         assert_losses_match([loss], ref, 1e-5)
         whole = hf_run(tiny_cfg, model, {"dp": 4, "micro_batch_size": 1}, steps=1)
         with Trainer(whole, actor_group=group, progress=False).setup() as trainer:
-            whole_loads = [info["setup_peak_bytes"] for info in trainer.setup_info]
+            whole_loads = [info["setup_peak_bytes"] for info in trainer.session.setup_info]
         print(f"load peak per rank, MiB of {full / 2**20:.0f}: pp2xtp2 {[round(x / 2**20) for x in loads]}, "
               f"dp4 {[round(x / 2**20) for x in whole_loads]}")
         assert min(whole_loads) >= 0.7 * full, whole_loads

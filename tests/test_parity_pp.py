@@ -62,10 +62,10 @@ def pipeline_gradients(cfg, group):
     """Every parameter's full gradient after one forward/backward, gathered from all stages."""
     with Trainer(cfg, actor_group=group, progress=False) as t:
         t.setup()
-        batch = t.order.batch(0)
+        batch, lay = t.order.batch(0), t.config.parallel.layout
         args = [
-            (t.data.gather(replica_slice(batch, t.dims.dp, t.dims.coords(r)["dp"])) if t.dims.coords(r)["pp"] == 0 else None,)
-            for r in range(t.dims.world_size)
+            (t.data.gather(replica_slice(batch, lay.dp, lay.coords(r)["dp"])) if lay.coords(r)["pp"] == 0 else None,)
+            for r in range(lay.world_size)
         ]
         grads = {}
         for part in group.call_per_rank("gradients", args):

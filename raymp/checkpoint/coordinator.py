@@ -23,10 +23,11 @@ class PendingSave:
 
 class CheckpointCoordinator:
     def __init__(self, lineage: Lineage, every: int, async_save: bool, log=print,
-                 write_timeout_s: float | None = None):
+                 write_timeout_s: float | None = None, on_commit=None):
         self.store, self.every, self.async_save, self.log = lineage.store, every, async_save, log
         self.lineage = lineage  # recorded in every marker
         self.write_timeout_s = write_timeout_s
+        self.on_commit = on_commit  # on_commit(step): the steps before it are final
         self.pending: PendingSave | None = None
         self.committed: list[Checkpoint] = []
         self.failed: list[tuple[int, str]] = []
@@ -71,9 +72,25 @@ class CheckpointCoordinator:
                      f"{error.splitlines()[0][:300]}); not committed"
                      + (", its partial directory removed" if removed else "") + f"; {self._latest_text()}")
             return None
-        checkpoint = self.store.commit(pending.step, {**pending.meta, "lineage": self.lineage.record()}, pending.files)
+        return self._commit(pending, pending.files)
+
+    def _commit(self, pending: PendingSave, files: dict) -> Checkpoint:
+        checkpoint = self.store.commit(pending.step, {**pending.meta, "lineage": self.lineage.record()}, files)
         self.committed.append(checkpoint)
+        if self.on_commit is not None:
+            self.on_commit(checkpoint.step)
         return checkpoint
+
+    def after_step(self, group, reports: list[dict | None], steps_done: int, total_steps: int, meta,
+                   metrics: dict) -> bool:
+        """After a step: commit the save the ranks report finished, and start the one due now
+        (`meta()` gives its record). Notes both in the step's metrics; True if a save started."""
+        if (done := self.collect(reports)) is not None:
+            metrics["checkpoint_committed"] = done.step
+        if not self.due(steps_done, total_steps):
+            return False
+        metrics["checkpoint_blocked_s"] = self.start(group, steps_done, meta())["blocked_s"]
+        return True
 
     def finish(self, group) -> Checkpoint | None:
         """Wait for the save in flight (at most checkpoint.write_timeout_s) and commit it."""
@@ -99,10 +116,7 @@ class CheckpointCoordinator:
             return None, None
         if self.store.has_index(pending.step):
             # The lost ranks cannot report checksums: hash what is on storage now.
-            files = directory_files(self.store.path_for(pending.step))
-            checkpoint = self.store.commit(pending.step, {**pending.meta, "lineage": self.lineage.record()}, files)
-            self.committed.append(checkpoint)
-            return pending.step, checkpoint
+            return pending.step, self._commit(pending, directory_files(self.store.path_for(pending.step)))
         return pending.step, None
 
     def _latest_text(self) -> str:

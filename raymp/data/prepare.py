@@ -19,7 +19,7 @@ from collections import Counter
 import numpy as np
 
 from raymp.data.corpus import DataError, Skip, Source, filesystem_for, parse_file, resolve_source
-from raymp.data.stream import on_node, ordered_context
+from raymp.data.ray_context import local_node_if_local_path, on_node, ordered_context
 from raymp.data.tokenizers import get_tokenizer
 
 MANIFEST = "manifest.json"
@@ -164,11 +164,9 @@ def _tokenized_blocks(source: Source, tokenizer: str, text_field: str, skip_bad:
 
     connect(None, 1)
     ordered_context()  # the packed order must not depend on which task finishes first
-    # Local files are on this node's disk only: read them here (a URI is read anywhere).
-    node = None if "://" in source.name else ray.get_runtime_context().get_node_id()
-    ds = ray.data.read_binary_files(
+    ds = ray.data.read_binary_files(  # local files are read on this node, a URI anywhere
         list(source.paths), filesystem=source.filesystem, include_paths=True,
-        override_num_blocks=len(source.paths), ray_remote_args=on_node(node),
+        override_num_blocks=len(source.paths), **on_node(local_node_if_local_path(source.name)),
     )
     ds = ds.map_batches(_parse_batch, batch_size=1, fn_kwargs={"text_field": text_field, "skip_bad": skip_bad})
     # One big file is one block after parsing; split it so its documents tokenize in parallel.

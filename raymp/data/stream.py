@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from raymp.data.order import DataPosition, TrainOrder, replica_slice
+from raymp.data.ray_context import on_node, ordered_context
 
 STEPS_PER_TASK = 4
 WINDOW_STEPS = 32
@@ -78,42 +79,6 @@ def replica_dataset(spec: StreamSpec, first: int, steps: int, cpus: float):
     return ds.map_batches(_replica_rows, batch_size=STEPS_PER_TASK, fn_kwargs={"spec": spec},
                           num_cpus=cpus, compute=ray.data.TaskPoolStrategy(size=1),
                           **on_node(spec.node_id))
-
-
-def on_node(node_id: str | None) -> dict:
-    """Ray remote args that keep tasks on `node_id` (None: anywhere)."""
-    if node_id is None:
-        return {}
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
-
-
-def local_node_if_local_path(root: str) -> str | None:
-    """A plain path is on this (the driver's) node's disk: tasks that read it must run here. A
-    URI (s3://, gs://, file:// on a shared mount, ...) is readable from every node."""
-    if "://" in root:
-        return None
-    import ray
-
-    return ray.get_runtime_context().get_node_id()
-
-
-def ordered_context():
-    """Ray Data settings raymp needs in every process that builds or runs a dataset: blocks in
-    order (a Dataset keeps the context it was created under), and no progress bars of its own."""
-    import logging
-
-    import ray
-
-    # Ray Data logs each execution's start/finish (and that its bars are off) from every actor;
-    # raymp reports data wait itself.
-    logging.getLogger("ray.data").setLevel(logging.ERROR)
-    ctx = ray.data.DataContext.get_current()
-    ctx.execution_options.preserve_order = True
-    ctx.enable_progress_bars = False
-    ctx.print_on_execution_start = False
-    return ctx
 
 
 class ReplicaStream:

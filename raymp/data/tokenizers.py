@@ -76,9 +76,6 @@ def _gpt2_encoding():
     )
 
 
-BUILTIN = ("byte", "gpt2")
-
-
 @functools.lru_cache(maxsize=8)
 def get_tokenizer(spec: str):
     """'byte', 'gpt2', or 'package.module:factory' for your own: factory() must return an object

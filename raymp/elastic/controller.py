@@ -19,7 +19,7 @@ from typing import Protocol
 
 from raymp.checkpoint.store import Checkpoint, CheckpointError
 from raymp.elastic.capacity import ElasticError, capacity, largest_valid_dp, wait_for_replicas
-from raymp.parallel.mesh import layout_of, layout_text
+from raymp.layout import Layout
 from raymp.runtime.actor_group import PlacementError, WorkerLostError
 
 
@@ -146,7 +146,7 @@ class ElasticController:
     def _relaunch(self, reason: str, lost: WorkerLostError | None, first_attempt: bool,
                   dp: int | None = None) -> dict:
         t0 = time.monotonic()
-        before = layout_of(self.run.config.parallel)
+        before = self.run.config.parallel.layout.record()
         abandoned, salvaged = self.run.abandon_save() if first_attempt else (None, None)
         self.run.teardown()
         waited = 0.0
@@ -159,7 +159,7 @@ class ElasticController:
             "checkpoint_in_flight_committed": salvaged is not None,
             "resumed_step": checkpoint.step if checkpoint else self.run.global_step,
             "checkpoint": checkpoint.path if checkpoint else None,
-            "layout_before": before, "layout_after": layout_of(self.run.config.parallel),
+            "layout_before": before, "layout_after": self.run.config.parallel.layout.record(),
             "wait_for_resources_s": waited, "relaunch_s": time.monotonic() - t0,
         }
 
@@ -168,8 +168,8 @@ class ElasticController:
         self.restarts.append(event)
         steps = (event["failed_step"] - event["resumed_step"]) if event["failed_step"] is not None else 0
         self.say(
-            f"elastic: {event['reason']} restart {len(self.restarts)}: {layout_text(event['layout_before'])} -> "
-            f"{layout_text(event['layout_after'])}, resumed at step {event['resumed_step']} "
+            f"elastic: {event['reason']} restart {len(self.restarts)}: {Layout.from_record(event['layout_before']).text()} -> "
+            f"{Layout.from_record(event['layout_after']).text()}, resumed at step {event['resumed_step']} "
             f"({event['checkpoint'] or 'no checkpoint: from the start'}), {steps} step(s) to redo, "
             f"{event['restart_s']:.1f}s to restart")
         self.run.on_restart(event)

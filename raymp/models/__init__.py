@@ -14,7 +14,7 @@ from raymp.models.llama import ModelArgs, Transformer
 from raymp.models.presets import PRESETS
 from raymp.models.spec import ModelSpec, build_part
 
-__all__ = ["ModelArgs", "ModelSpec", "Transformer", "PRESETS", "build_model", "count_parameters",
+__all__ = ["ModelArgs", "ModelSpec", "Transformer", "PRESETS", "build_model",
            "model_args", "model_spec"]
 
 
@@ -57,8 +57,3 @@ def build_model(spec: ModelSpec | ModelArgs, seed: int, device: str | torch.devi
     if isinstance(spec, ModelArgs):
         spec = BuiltinSpec(spec, seed)
     return build_part(spec, device, prune=prune)
-
-
-def count_parameters(args: ModelArgs) -> int:
-    """Parameters of the whole model (tied weights once), counted without allocating them."""
-    return args.num_params

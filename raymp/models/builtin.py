@@ -12,8 +12,6 @@ from raymp.models.spec import ModelSpec, seeded_normal
 
 
 class BuiltinSpec(ModelSpec):
-    supports_sequence_parallel = True
-
     def __init__(self, args: ModelArgs, seed: int = 0):
         self.args, self.seed = args, seed
         self.tie_embeddings = args.tie_embeddings

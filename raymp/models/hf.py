@@ -114,6 +114,21 @@ def tensor_parallel_dims(cfg) -> dict[str, int]:
             "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size}
 
 
+def unsupported_attention(cfg, seq_len: int) -> str:
+    """Why raymp cannot train this config's attention at `seq_len` exactly as transformers does,
+    or ''. The glue runs the decoder layers causal with no mask, so a sliding window shorter than
+    the sequence would be silently ignored: it is refused instead."""
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None) or []
+    slides = "sliding_attention" in types or (cfg.model_type == "mistral" and window is not None)
+    if slides and window is not None and window < seq_len:
+        layers = [i for i, t in enumerate(types) if t == "sliding_attention"] or "every layer"
+        return (f"the {cfg.model_type} config has sliding-window attention (sliding_window={window}, on "
+                f"{layers}) shorter than train.seq_len ({seq_len}), which raymp does not implement yet: "
+                f"lower train.seq_len to {window} or less, or set sliding_window to null in the model's config")
+    return ""
+
+
 # -- the stageable shape ------------------------------------------------------------------------
 
 
@@ -362,9 +377,6 @@ class HFSpec(ModelSpec):
             if gpt2:
                 block.attn.split_size = block.attn.embed_dim // tp_mesh.size()
         parallelize_module(module, tp_mesh, _top_plan(module))
-
-    def planning_note(self) -> str:
-        return f"{self.model_type} ({'weights from ' + str(self.weights.path) if self.weights else 'random init'})"
 
 
 def export_hf(weights: dict[str, torch.Tensor], hf_config, out_dir: str | os.PathLike) -> Path:

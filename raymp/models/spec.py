@@ -39,7 +39,6 @@ class ModelSpec:
     # Top-level modules only the first / last pipeline stage keeps.
     first_stage_modules: tuple[str, ...] = ("tok_embeddings",)
     last_stage_modules: tuple[str, ...] = ("norm", "output")
-    supports_sequence_parallel = False
 
     def build_meta(self) -> nn.Module:
         raise NotImplementedError
@@ -55,10 +54,6 @@ class ModelSpec:
     def tensor_parallel(self, module: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
         """Apply this family's TP plan to a (meta) module; None of a plan: refuse."""
         raise NotImplementedError(f"{type(self).__name__} has no tensor-parallel plan")
-
-    @property
-    def has_tp_plan(self) -> bool:
-        return type(self).tensor_parallel is not ModelSpec.tensor_parallel
 
     @property
     def stageable(self) -> bool:

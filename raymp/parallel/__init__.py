@@ -1,5 +1,2 @@
-"""Parallelism applied to plain models from outside: mesh, data parallel / ZeRO, checkpointing."""
-
-from raymp.parallel.mesh import ParallelDims
-
-__all__ = ["ParallelDims"]
+"""Parallelism applied to plain models from outside: data parallel / ZeRO, pipelines, tensor
+parallel plans, activation checkpointing. The layout itself is raymp.layout."""

@@ -24,6 +24,8 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from raymp.layout import V_SHAPED  # rank r holds stages r and 2p-1-r: first and last on rank 0
+
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
@@ -34,8 +36,6 @@ SCHEDULES = {
 # Schedules that split backward into input-grad (I) and weight-grad (W) passes. FSDP2 must keep
 # parameters gathered between forward and W under these, or gradients come out wrong (docs/design.md).
 ZERO_BUBBLE = frozenset({"zbv", "dualpipev"})
-# Rank r holds stages r and 2p-1-r (a "V"), so the first and last stage share rank 0.
-V_SHAPED = frozenset({"zbv", "dualpipev"})
 
 
 # -- where stages go ---------------------------------------------------------------------------

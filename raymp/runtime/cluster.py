@@ -26,11 +26,16 @@ def connect(address: str | None, min_cpus: float) -> None:
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
 
 
-def resolve_device(requested: str, world_size: int) -> str:
-    """'auto' -> cuda when the cluster has a GPU for every actor, else cpu."""
+def resolve_device(requested: str, world_size: int, cpu_offload: bool = False) -> str:
+    """'auto' -> cuda when the cluster has a GPU for every actor, else cpu (where optimizer
+    state cannot be offloaded: it is in host memory already)."""
     import ray
+
+    from raymp.config import CPU_OFFLOAD_ON_CPU, ConfigError
 
     if requested != "auto":
         return requested
     gpus = ray.cluster_resources().get("GPU", 0)
+    if gpus < world_size and cpu_offload:
+        raise ConfigError(CPU_OFFLOAD_ON_CPU + " (resources.device=auto found no GPUs)")
     return "cuda" if gpus >= world_size else "cpu"

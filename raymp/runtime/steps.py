@@ -180,7 +180,7 @@ class PipelineStep:
                        meter=self.meter, autocast_dtype=self._autocast_dtype)
             for s, model in zip(self.stage_ids, self.engine.models)
         ]
-        self.micro_batches = cfg.train.global_batch_size // (p.dp * p.micro_batch_size)
+        self.micro_batches = p.layout.micro_batches(cfg.train.global_batch_size)
         schedule_cls = SCHEDULES[p.schedule]
         single = not issubclass(schedule_cls, PipelineScheduleMulti)
         self.schedule = schedule_cls(stages[0] if single else stages, n_microbatches=self.micro_batches,

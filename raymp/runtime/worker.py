@@ -14,6 +14,7 @@ import numpy as np
 
 
 from raymp.checkpoint.rank_state import clean_name as _clean
+from raymp.runtime.report import RankReport
 
 
 def _status_kib(field: str) -> int:
@@ -39,7 +40,7 @@ def _peak_rss() -> int:
     return _status_kib("VmHWM") * 1024
 
 
-def _return_large_buffers_to_os() -> None:
+def return_large_buffers_to_os() -> None:
     """Fix glibc's mmap threshold at 1 MiB (Linux/glibc only; elsewhere nothing to do).
 
     glibc raises the threshold to up to 32 MiB after the first large buffer is freed; from then on
@@ -60,7 +61,7 @@ class Worker:
 
     def __init__(self, num_threads: int):
         os.environ["OMP_NUM_THREADS"] = str(num_threads)
-        _return_large_buffers_to_os()
+        return_large_buffers_to_os()
         import torch
 
         # Each actor gets its share of cores; torch's default (all cores per process) makes
@@ -127,25 +128,23 @@ class Worker:
 
     # -- model set-up -----------------------------------------------------------------------
 
-    def setup(self, cfg_dict: dict, vocab_size: int) -> dict:
-        """Build this rank's part of the model + optimizer from the resolved config. Re-callable:
-        a reused actor group can train another config without restarting processes."""
+    def setup(self, cfg, vocab_size: int) -> dict:
+        """Build this rank's part of the model + optimizer from the RunConfig the driver validated
+        (sent as the object: not validated again). Re-callable: a reused actor group can train
+        another config without restarting processes."""
         import torch
 
-        from raymp.config import RunConfig
         from raymp.models import model_spec
         from raymp.optim import build_scheduler
-        from raymp.parallel.mesh import ParallelDims
         from raymp.runtime.steps import LocalStep, PipelineStep
 
         if self.checkpointer is not None:
             self.checkpointer.wait()  # a save of the previous set-up still writing
         self.program = self.engine = self.scheduler = None  # the previous set-up's model goes first
         gc.collect()
-        cfg = RunConfig.model_validate(cfg_dict)
         self.cfg = cfg
         p = cfg.parallel
-        dims = ParallelDims(p.dp, p.pp, p.tp)
+        dims = p.layout
         self.coords = dims.coords(self.rank)
         mesh = self._mesh(dims)
         spec = model_spec(cfg.model, vocab_size, cfg.seed)
@@ -187,7 +186,7 @@ class Worker:
 
     # -- the step ---------------------------------------------------------------------------
 
-    def train_step(self, step: int) -> dict:
+    def train_step(self, step: int) -> RankReport:
         """One optimizer step over this replica's share of global batch `step`; first-stage
         ranks pull it from their stream, the other stages get activations instead."""
         t0 = time.perf_counter()
@@ -206,18 +205,9 @@ class Worker:
         state = self.engine.state_bytes()
         self.engine.optimizer.zero_grad(set_to_none=True)
         self.engine.after_optimizer_step()
-        return {
-            "rank": self.rank,
-            **out,
-            "sample_ids": sample_ids,
-            "data_wait_s": data_wait,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "compute_s": time.perf_counter() - t0,
-            "peak_mem_bytes": self._peak_memory(),
-            "checkpoint": self.checkpointer.poll(),
-            **state,
-        }
+        return RankReport(rank=self.rank, **out, sample_ids=sample_ids, data_wait_s=data_wait,
+                          grad_norm=grad_norm, lr=lr, compute_s=time.perf_counter() - t0,
+                          peak_mem_bytes=self._peak_memory(), checkpoint=self.checkpointer.poll(), **state)
 
     def evaluate(self) -> float | None:
         """Mean validation loss over the held-out batches (last stages return it)."""

@@ -1,0 +1,167 @@
+"""Reading a run config: YAML files, `key.path=value` overrides, `parallel: auto`, and pydantic's
+errors turned into one line per field."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from raymp.config.schema import ClusterConfig, ConfigError, ModelConfig, RunConfig, TrainingConfig
+
+
+
+def _valid_keys(loc: tuple) -> list[str]:
+    """The field names allowed at the parent of `loc`, for 'unknown key' messages."""
+    model: type[BaseModel] = RunConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return sorted(model.model_fields)
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for e in err.errors():
+        where = ".".join(str(x) for x in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            keys = _valid_keys(e["loc"])
+            lines.append(f"  {where}: unknown key; valid keys here: {', '.join(keys)}")
+            continue
+        msg = e["msg"].removeprefix("Value error, ")
+        shown = e.get("input")
+        got = "" if isinstance(shown, dict) else f" (got {shown!r})"
+        lines.append(f"  {where}: {msg}{got}" if e["loc"] else f"  {msg}")
+    return "\n".join(lines)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (['a','b','c'], value parsed as YAML so 2, 1e-3, true, null work)."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like key.path=value, e.g. parallel.dp=2")
+    key, raw = item.split("=", 1)
+    path = [k for k in key.strip().split(".") if k]
+    if not path:
+        raise ConfigError(f"override {item!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {item!r}: cannot parse value: {exc}") from None
+    return path, value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    data = copy.deepcopy(data)
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for k in path[:-1]:
+            child = node.setdefault(k, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {k} is a value, not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def config_from_dict(data: dict, overrides: list[str] | None = None, source: str = "<dict>") -> RunConfig:
+    data = apply_overrides(data or {}, overrides or [])
+    try:
+        data = {**data, "model": with_model_shape(data.get("model") or {})}
+        if data.get("parallel") == "auto":
+            data = _resolve_auto_layout(data)
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+    except ValueError as err:  # the model's shape could not be read
+        raise ConfigError(f"invalid config ({source}):\n  model: {err}") from None
+
+
+def with_model_shape(model: dict) -> dict:
+    """A `model` section with the shape fields of the Hugging Face model or factory module it
+    names read off the model; other sections as they are (a preset fills them in the schema)."""
+    from raymp.models.shape import probed_shape
+
+    sources = [k for k in ("hf", "hf_config", "factory") if model.get(k) is not None]
+    if len(sources) != 1 or (sources[0] == "factory" and model.get("preset", "tiny") is not None):
+        return model  # several sources: the schema says so; a factory with a preset: its shape
+    fields = probed_shape(model)
+    if sources[0] == "factory":
+        return {**fields, **{k: v for k, v in model.items() if v is not None}, "preset": None}
+    set_by_hand = [k for k, v in fields.items() if model.get(k) is not None and model[k] != v]
+    if set_by_hand:
+        raise ValueError(f"model.{', model.'.join(set_by_hand)} come from the Hugging Face config; change "
+                         "them there (model.hf_config, or the directory's config.json), not here")
+    return {**model, **fields, "preset": None}
+
+
+def _resolve_auto_layout(data: dict) -> dict:
+    """`parallel: auto`: the planner's best layout for `cluster` replaces it."""
+    from raymp.models import model_args
+    from raymp.models.shape import TOKENIZER_VOCAB, model_shape
+    from raymp.planner import cluster_from_config, plan
+
+    if not data.get("cluster"):
+        raise ConfigError(
+            "parallel: auto needs a cluster section to plan for (cluster.nodes, "
+            "cluster.gpus_per_node, cluster.gpu_memory_gb, ...); or set parallel.dp/pp/tp yourself"
+        )
+    model = ModelConfig.model_validate(data["model"])
+    train = TrainingConfig.model_validate(data.get("train", {}))
+    cluster = ClusterConfig.model_validate(data["cluster"])
+    tokenizer = (data.get("data") or {}).get("tokenizer", "byte")
+    vocab = TOKENIZER_VOCAB.get(tokenizer)
+    best = plan(model_args(model, vocab or 256), cluster_from_config(cluster), train.global_batch_size,
+                train.seq_len, bf16=data.get("precision") == "bf16", shape=model_shape(model, vocab, tokenizer)).best
+    if best is None:
+        raise ConfigError(
+            f"parallel: auto found no layout of {cluster.nodes} x {cluster.gpus_per_node} devices "
+            f"with {cluster.gpu_memory_gb:g} GB that fits; run `raymp plan` on this config to see why"
+        )
+    return {**data, "parallel": best.layout.as_parallel()}
+
+
+def read_config_file(path: str | os.PathLike) -> dict:
+    """A YAML config file's sections, or one ConfigError line saying what is wrong with the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} not found (looked in {Path.cwd()})")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not a text file (a YAML run config is UTF-8 text)") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: top level must be a mapping of sections (model:, parallel:, ...)")
+    return data
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML run config (None: the defaults) and apply `key.path=value` overrides."""
+    if path is None:
+        return config_from_dict({}, overrides)
+    return config_from_dict(read_config_file(path), overrides, source=str(path))
+
+
+def resolved_dict(cfg: RunConfig) -> dict:
+    """The fully resolved config (presets expanded) as plain data, for logging and artifacts."""
+    return cfg.model_dump(mode="json")
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out

@@ -1,0 +1,60 @@
+"""Rules across config sections, checked once the schema has parsed them: each raises with the
+offending field's dotted name and a fix. The layout's own rules are raymp.layout's and are asked,
+not restated."""
+
+from __future__ import annotations
+
+
+CPU_OFFLOAD_ON_CPU = (
+    "optimizer.cpu_offload needs GPU actors (FSDP2's CPUOffloadPolicy moves state off the "
+    "accelerator); on CPU actors optimizer state already lives in host memory: set "
+    "optimizer.cpu_offload=false"
+)
+
+
+def check_run(cfg) -> None:
+    """Cross-section checks. Each raises with the offending field's dotted name and a fix. The
+    layout's own rules are raymp.layout's; they are asked here, not restated."""
+    from raymp.models.hf import load_hf_config, unsupported_attention
+    from raymp.models.shape import TOKENIZER_VOCAB, model_shape
+
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    if m.is_hf and (problem := unsupported_attention(load_hf_config(m.hf, m.hf_config), t.seq_len)):
+        raise ValueError(problem)
+    tokenizer = cfg.data.tokenizer
+    p.layout.check(model_shape(m, TOKENIZER_VOCAB.get(tokenizer), tokenizer), t.global_batch_size, t.seq_len)
+    devices = cfg.resources.devices
+    if devices is not None and devices != p.world_size:
+        raise ValueError(
+            f"resources.devices ({devices}) must equal parallel.dp*pp*tp = "
+            f"{p.dp}*{p.pp}*{p.tp} = {p.world_size}; change one of them"
+        )
+    if t.seq_len > m.max_seq_len:
+        raise ValueError(
+            f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
+            "lower train.seq_len or raise model.max_seq_len"
+        )
+    if cfg.optimizer.warmup_steps >= t.steps and t.steps > 1:
+        raise ValueError(
+            f"optimizer.warmup_steps ({cfg.optimizer.warmup_steps}) must be below train.steps "
+            f"({t.steps}), or the learning rate never leaves warmup"
+        )
+    if cfg.optimizer.cpu_offload and p.zero < 2:
+        raise ValueError(
+            "optimizer.cpu_offload needs parallel.zero 2 or 3 (FSDP2's offload policy); "
+            "set parallel.zero=2 or optimizer.cpu_offload=false"
+        )
+    if cfg.optimizer.cpu_offload and cfg.resources.device == "cpu":
+        raise ValueError(CPU_OFFLOAD_ON_CPU)
+    if cfg.precision == "fp16" and cfg.resources.device != "cuda":
+        raise ValueError(
+            "precision fp16 runs at ~1 GFLOP/s on CPU and needs loss scaling; use precision=bf16 "
+            "(or set resources.device=cuda on GPUs)"
+        )
+    if m.vocab_size is not None and cfg.data.tokenizer == "gpt2" and m.vocab_size < 50257:
+        raise ValueError(
+            f"model.vocab_size ({m.vocab_size}) is smaller than the gpt2 tokenizer's 50257 tokens; "
+            "leave model.vocab_size unset to take it from the tokenizer"
+        )
+    if m.vocab_size is not None and cfg.data.tokenizer == "byte" and m.vocab_size < 256:
+        raise ValueError(f"model.vocab_size ({m.vocab_size}) must be >= 256 for the byte tokenizer")

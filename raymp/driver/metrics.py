@@ -1,0 +1,77 @@
+"""One step's metrics from its ranks' reports: loss, throughput, data wait, memory measured and
+estimated, FLOPs and MFU, and for pipelines the bubble measured from the stages' clocks."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from raymp.config import RunConfig
+from raymp.layout import Layout
+from raymp.runtime.report import RankReport
+
+# What MLflow gets per step, besides the memory columns (raymp.driver.tracking_hooks).
+LOGGED = ("loss", "val_loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "data_wait_s",
+          "data_wait_fraction", "bubble_fraction", "bubble_fraction_theory", "checkpoint_blocked_s",
+          "model_tflops_per_device", "mfu", "restarts")
+
+
+def step_metrics(step: int, reports: list[RankReport], layout: Layout, cfg: RunConfig, step_time: float,
+                 flops: float, peak_tflops: float | None, estimate_bytes: float) -> dict:
+    """The step's metrics (the run's history entry); `flops` are the model FLOPs of one step."""
+    t = cfg.train
+    readers = [reports[r] for r in layout.ranks_where(pp=0)]
+    data_wait = max(r.data_wait_s for r in readers)
+    losses = [r.loss for r in reports if r.loss is not None]  # last stages only
+    achieved = flops / step_time / layout.world_size / 1e12
+    metrics = {
+        "step": step,
+        "finished_at": time.time(),
+        "dp": layout.dp,
+        "loss": sum(losses) / len(losses),
+        "grad_norm": reports[0].grad_norm,
+        "lr": reports[0].lr,
+        "step_time_s": step_time,
+        "tokens_per_s": t.global_batch_size * t.seq_len / step_time,
+        "data_wait_s": data_wait,
+        "data_wait_fraction": data_wait / step_time,
+        # The global batch as the replicas read it (tp rank 0 of each), in replica order.
+        "sample_ids": np.concatenate([reports[layout.rank_of(dp=d, pp=0, tp=0)].sample_ids for d in range(layout.dp)]),
+        "peak_mem_bytes_max": max(r.peak_mem_bytes for r in reports),
+        "memory_measured_bytes_max": max(r.measured_bytes for r in reports),
+        "memory_estimate_bytes_max": estimate_bytes,
+        "model_tflops_per_device": achieved,
+        "mfu": achieved / peak_tflops if peak_tflops else None,
+    }
+    if layout.pp > 1:
+        metrics.update(pipeline_metrics(reports, layout, t.global_batch_size))
+    metrics["per_rank"] = [r.public() for r in reports]
+    return metrics
+
+
+def pipeline_metrics(reports: list[RankReport], layout: Layout, global_batch: int) -> dict:
+    """Bubble per replica from the stages' clocks (averaged over replicas), next to theory. The
+    events of replica 0 go under "pipeline_events" for the driver to keep aside for timeline()."""
+    from raymp.parallel.pipeline import bubble_stats, theoretical_bubble
+
+    replicas = [[reports[layout.rank_of(dp=d, pp=s, tp=0)].pipeline_events for s in range(layout.pp)]
+                for d in range(layout.dp)]
+    stats = [bubble_stats(events) for events in replicas]
+    return {
+        "bubble_fraction": sum(s["bubble_fraction"] for s in stats) / len(stats),
+        "bubble_fraction_theory": theoretical_bubble(layout.schedule, layout.pp, layout.micro_batches(global_batch),
+                                                     layout.stages_per_rank),
+        "stage_busy_s": stats[0]["busy_s"],
+        "stage_idle_s": stats[0]["idle_s"],
+        "activation_peak_bytes_max": max(r.activation_peak_bytes for r in reports),
+        "pipeline_events": replicas[0],
+    }
+
+
+def peak_tflops(cfg: RunConfig, device: str) -> float | None:
+    """The device's dense peak for MFU: the configured one, or the cluster's on GPUs."""
+    peak = cfg.tracking.peak_tflops_per_device
+    if peak is None and device == "cuda" and cfg.cluster is not None:
+        peak = cfg.cluster.gpu_tflops
+    return peak

@@ -1,0 +1,42 @@
+"""What a run finds at start in its checkpoint.dir, said once: the lineage it continues (damaged
+checkpoints passed over, a rewind's abandoned timeline), and what a resume restores."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from raymp.checkpoint.lineage import Lineage, config_overrides
+from raymp.checkpoint.store import Checkpoint, CheckpointStore
+from raymp.config import RunConfig
+from raymp.layout import Layout
+
+
+def open_lineage(cfg: RunConfig, run_dir: Path, log, data_position=None) -> Lineage:
+    """The checkpoint.dir's lineage; `data_position` (a start without a checkpoint) only when it has none."""
+    store = CheckpointStore(cfg.checkpoint.dir or str(run_dir / "checkpoints"), cfg.checkpoint.keep_last)
+    if cfg.checkpoint.every:
+        store.probe_writable()  # a read-only dir fails now, not at the first save
+    lineage = Lineage.open(store, cfg.checkpoint.resume)
+    for entry in store.scan():
+        if entry.problem:
+            log(f"checkpoint: step {entry.step} is damaged, passed over: {entry.problem}")
+    if lineage.abandoned():
+        log(f"checkpoint: rewound to step {lineage.rewound_from}: the newer checkpoints of the abandoned "
+            f"timeline (steps {[c.step for c in lineage.abandoned()]}) are never loaded by this run, and move "
+            "to <checkpoint.dir>/abandoned-<time>/ at its first save")
+    if lineage.candidates() and data_position is not None:
+        raise ValueError("give a data_position or a checkpoint to resume from, not both "
+                         "(set checkpoint.resume=never to use the data position)")
+    return lineage
+
+
+def said_resume(resume: Checkpoint, cfg: RunConfig, log) -> None:
+    """One line on what a resume restores, and each setting the config changes against it."""
+    log(f"resuming from {resume.path} (step {resume.step}, saved with "
+        f"{Layout.from_record(resume.meta['layout']).text()}): weights, optimizer state, LR schedule position "
+        "and data position restored")
+    for change in config_overrides(resume.meta.get("config", {}), cfg):
+        log(f"resume: the config's {change}")
+    if resume.step >= cfg.train.steps:
+        log(f"that checkpoint already completes train.steps={cfg.train.steps}: nothing to train; raise "
+            "train.steps to go on, or set checkpoint.resume=never and another checkpoint.dir to start over")

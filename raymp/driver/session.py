@@ -1,0 +1,154 @@
+"""The actors of the run's current layout and what is tied to them: the group, the config it was
+launched with (stage split decided), the ranks' set-up reports, the planner's estimate and the
+checkpoint coordinator. It is the run the elastic controller drives (abandon_save, teardown,
+relaunch, on_restart); the Trainer steps it."""
+
+from __future__ import annotations
+
+import time
+
+from raymp.checkpoint.coordinator import CheckpointCoordinator
+from raymp.checkpoint.store import Checkpoint
+from raymp.config import RunConfig, resolved_dict
+from raymp.driver.launch import Launcher
+from raymp.elastic import with_dp
+from raymp.driver.metrics import peak_tflops, step_metrics
+from raymp.runtime.actor_group import ActorGroup, WorkerLostError
+from raymp.version import __version__
+
+
+class Session:
+    def __init__(self, config: RunConfig, launcher: Launcher, say, on_commit, on_restart):
+        """`on_commit(step)`: a checkpoint of `step` committed. `on_restart(event)`: the run was
+        relaunched (after a failure, or growing back) and resumes at event["resumed_step"]."""
+        self.config, self.launcher, self.say = config, launcher, say
+        self._on_commit, self._on_restart = on_commit, on_restart
+        self.group: ActorGroup | None = None
+        self.checkpoints: CheckpointCoordinator | None = None
+        self.setup_info: list[dict] = []  # per rank: coords, stages, parameters, setup_peak_bytes
+        self.memory_estimate: list = []  # the planner's RankEstimate per pipeline stage
+        self.initial_position = None  # where a run without a checkpoint started
+
+    def launch(self, position) -> Checkpoint | None:
+        """The actors for self.config's layout, brought to the lineage's newest intact state (or
+        to `position` when it has none). Returns the checkpoint restored."""
+        self.group = None
+        launched = self.launcher.launch(self.config, position)
+        self.group, self.config = launched.group, launched.config
+        self.setup_info, self.memory_estimate = launched.setup_info, launched.memory_estimate
+        c = self.config.checkpoint
+        self.checkpoints = CheckpointCoordinator(self.launcher.lineage, c.every, c.async_save, self.say,
+                                                 c.write_timeout_s, on_commit=self._on_commit)
+        return launched.restored
+
+    # -- calls on every rank -----------------------------------------------------------------
+
+    def run_step(self, step: int) -> tuple[list, dict]:
+        """One optimizer step on every rank: (the ranks' reports, the step's metrics)."""
+        from raymp.models import model_args
+        from raymp.planner import step_flops
+
+        cfg, device = self.config, self.launcher.device
+        t0 = time.perf_counter()
+        try:
+            reports = self.group.call("train_step", step, timeout_s=cfg.elastic.step_timeout_s)
+        except WorkerLostError as lost:
+            raise WorkerLostError(f"step {step}: {lost}", lost.rank, lost.kind, step) from lost
+        step_time = time.perf_counter() - t0
+        t = cfg.train
+        flops = step_flops(model_args(cfg.model, self.launcher.feed.data.vocab_size), t.global_batch_size, t.seq_len)
+        estimate = max(e.model_state_bytes + e.activation_bytes for e in self.memory_estimate)
+        return reports, step_metrics(step, reports, cfg.parallel.layout, cfg, step_time, flops,
+                                     peak_tflops(cfg, device), estimate)
+
+    def evaluate(self) -> float:
+        losses = [x for x in self.group.call("evaluate") if x is not None]
+        return sum(losses) / len(losses)
+
+    def state_dict(self) -> dict:
+        merged = {}
+        for part in self.group.call("full_state_dict"):
+            if part is not None:
+                merged.update(part)
+        return merged
+
+    def layout_rows(self) -> list[dict]:
+        lay = self.config.parallel.layout
+        return [{"rank": r, **lay.coords(r), "stages": self.setup_info[r].get("stages", {}), **info}
+                for r, info in enumerate(self.group.nodes)]
+
+    # -- what the elastic controller drives ---------------------------------------------------
+
+    @property
+    def global_step(self) -> int:
+        return self.launcher.feed.next_step
+
+    def abandon_save(self):
+        return self.checkpoints.abandon()
+
+    def teardown(self) -> None:
+        if self.group is not None and self.group is not self.launcher.shared_group:
+            self.group.shutdown()
+        self.group = None
+
+    def relaunch(self, dp: int) -> Checkpoint | None:
+        """The run again with `dp` replicas, from the lineage's newest intact state."""
+        self.config = with_dp(self.config, dp)
+        return self.launch(self.initial_position)  # the position counts only without a checkpoint
+
+    def on_restart(self, event: dict) -> None:
+        self._on_restart(event)
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def checkpoint_meta(self, run_name: str, mlflow: dict | None) -> dict:
+        """What a commit marker records besides its files and lineage."""
+        meta = {"data_position": self.launcher.feed.position().to_dict(),
+                "layout": self.config.parallel.layout.record(), "run_name": run_name,
+                "config": resolved_dict(self.config), "raymp_version": __version__}
+        return {**meta, "mlflow": mlflow} if mlflow else meta
+
+    def after_step(self, reports: list, steps_done: int, meta, metrics: dict, wants_to_grow) -> bool:
+        """Commit what the ranks finished writing and start the save due now. True when the
+        run should grow back now: it wants to (`wants_to_grow()`) and that save just committed."""
+        started = self.checkpoints.after_step(self.group, [r.checkpoint for r in reports], steps_done,
+                                              self.config.train.steps, meta, metrics)
+        if not (started and self.launcher.shared_group is None and wants_to_grow()):
+            return False
+        if (grown_from := self.checkpoints.finish(self.group)) is None:
+            return False
+        metrics["checkpoint_committed"] = grown_from.step
+        return True
+
+    def load(self, checkpoint: Checkpoint, say) -> None:
+        """Every rank restored from `checkpoint` (saved under any layout), the streams restarted
+        at its data position."""
+        from raymp.checkpoint.restore import restore_newest_intact
+
+        restore_newest_intact(self.group, [checkpoint], lambda: None, say, self.config.resources.setup_timeout_s)
+        self.start_streams(checkpoint.data_position)
+
+    def start_streams(self, position) -> None:
+        feed = self.launcher.feed
+        feed.start_streams(self.group, self.config.parallel.layout, self.config,
+                           feed.checked(position, self.config.train.steps))
+
+    def save_now(self, steps_done: int, meta: dict) -> Checkpoint:
+        """Save the state after `steps_done` steps and wait for its commit."""
+        self.checkpoints.start(self.group, steps_done, meta)
+        checkpoint = self.checkpoints.finish(self.group)
+        if checkpoint is None:
+            raise RuntimeError(f"the checkpoint of step {steps_done} was not committed: "
+                               f"{self.checkpoints.failed[-1][1]}")
+        return checkpoint
+
+    def commit_in_flight(self, best_effort: bool = False) -> None:
+        """Commit the save in flight. A save that fails is reported (checkpoint.failed, a log
+        line) and never fails a run whose steps all finished."""
+        if self.group is None or self.checkpoints is None or self.checkpoints.pending is None:
+            return
+        try:
+            self.checkpoints.finish(self.group)
+        except Exception:
+            if not best_effort:
+                raise

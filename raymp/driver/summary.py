@@ -1,0 +1,66 @@
+"""What the driver prints about a run: the one-line description at the start, the summary at
+the end, and the per-rank memory table (measured beside the planner's estimate)."""
+
+from __future__ import annotations
+
+from raymp.config import RunConfig
+from raymp.layout import Layout
+from raymp.runtime.report import RankReport
+
+MEMORY_KEYS = ("rank", "param_bytes", "grad_bytes", "optim_bytes", "activation_peak_bytes",
+               "loss_saved_peak_bytes", "peak_mem_bytes")
+
+
+def describe(run_name: str, cfg: RunConfig, num_params: int, manifest: dict, device: str, backend: str,
+             stage_layers: list[list[int]] | None) -> str:
+    lay, t = cfg.parallel.layout, cfg.train
+    pipeline = ""
+    if lay.pp > 1:
+        pipeline = f"; pipeline {lay.schedule}, {lay.num_stages} stages, layers {[len(s) for s in stage_layers]}"
+    return (
+        f"raymp run {run_name}: {num_params / 1e6:.2f}M params, "
+        f"data {manifest['source']!r} ({manifest['samples']:,} samples, {manifest['tokenizer']} tokens), "
+        f"{lay.text()}{' (sequence parallel)' if lay.sequence_parallel else ''} on {lay.world_size} {device} "
+        f"actor(s) ({backend}); global batch {t.global_batch_size} x {t.seq_len} tokens "
+        f"= {lay.micro_batches(t.global_batch_size)} micro-batch(es) of {lay.micro_batch_size} per replica; "
+        f"precision {cfg.precision}{pipeline}"
+    )
+
+
+def summary(history: list[dict], eval_batches: int, manifest: dict, position, tracking) -> str:
+    if not history:
+        return "no steps run"
+    h = history
+    tail = h[len(h) // 2:] or h
+    tps = sorted(m["tokens_per_s"] for m in tail)[len(tail) // 2]
+    last = h[-1]
+    lines = [f"done: {len(h)} steps, loss {h[0]['loss']:.4f} -> {last['loss']:.4f}, median {tps:,.0f} "
+             f"tokens/s, peak memory {last['peak_mem_bytes_max'] / 2**20:.0f} MiB/rank"]
+    vals = [m["val_loss"] for m in h if m.get("val_loss") is not None]
+    waits = sorted(m["data_wait_fraction"] for m in tail)
+    lines.append(
+        (f"validation loss {vals[-1]:.4f} on {eval_batches} held-out batch(es); " if vals else "")
+        + f"data: {manifest['tokens']:,} tokens, epoch {position.epoch} offset {position.offset}; "
+        f"median data wait {waits[len(waits) // 2]:.1%} of step time")
+    lines.append(
+        f"model state + activations per rank: measured {last['memory_measured_bytes_max'] / 2**20:.1f} MiB, "
+        f"planner estimate {last['memory_estimate_bytes_max'] / 2**20:.1f} MiB (max over ranks)")
+    if tracking.run_id is not None:
+        lines.append(f"MLflow run {tracking.run_id} in {tracking.uri} "
+                     f"(view: mlflow ui --backend-store-uri {tracking.uri})")
+    return "\n".join(lines)
+
+
+def memory_rows(per_rank: list[dict], estimates: list, layout: Layout) -> list[dict]:
+    """Per rank: model-state bytes and activations measured at a step, beside the planner's
+    estimate of this rank's pipeline stage."""
+    rows = []
+    for r in per_rank:
+        e = estimates[layout.coords(r["rank"])["pp"]]
+        rows.append({
+            **{k: r.get(k, 0) for k in MEMORY_KEYS},
+            "measured_bytes": RankReport(**r).measured_bytes,
+            "estimated_bytes": e.model_state_bytes + e.activation_bytes,
+            "estimated_transient_bytes": e.buffer_bytes,
+        })
+    return rows

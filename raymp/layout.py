@@ -1,0 +1,237 @@
+"""The layout: how one run spreads over its actors (dp replicas x pp stages x tp shards, the ZeRO
+stage, micro-batches, the pipeline schedule).
+
+This module is the one authority on layouts. Config validation, the planner and `parallel:
+auto`, elastic re-planning, the workers and the driver all ask a `Layout` for its arithmetic
+(world size, micro-batches per replica, stages per rank, each schedule's minimum), its rules
+(what divides what, which combinations run), its text form and its mesh; none of them states a
+layout rule of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
+V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, placed as a V
+
+
+class LayoutError(ValueError):
+    """A layout that cannot run with this model and batch. The message names the field and a fix."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the layout rules need to know of a model (models.model_shape builds it from the
+    config). `tp_sizes` holds every size tensor parallelism splits, each as (the name the user
+    sets it by, its size, whether model.vocab_size may pad it)."""
+
+    n_layers: int
+    tp_sizes: tuple[tuple[str, int, bool], ...] = ()
+    sequence_parallel: bool = True  # the model implements sequence parallelism
+    tp_plan: bool = True  # the model has a tensor-parallel plan
+    not_stageable: str = ""  # why the model cannot be cut into pipeline stages, if it cannot
+    kind: str = "the built-in model"
+    layers_field: str = "model.n_layers"  # where the layer count is set, for messages
+    sizes_in: str = ""  # where the tp_sizes are set, when not in the config's model section
+
+    @classmethod
+    def of_args(cls, args, vocab_name: str = "the vocabulary") -> "ModelShape":
+        """The built-in decoder of this ModelArgs shape."""
+        return cls(args.n_layers, (("model.n_heads", args.n_heads, False),
+                                   ("model.n_kv_heads", args.n_kv_heads, False),
+                                   ("model.ffn_dim", args.ffn_dim, False),
+                                   (vocab_name, args.vocab_size, True)))
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    """The smallest multiple of 64·tp at or above `vocab`: a vocabulary every TP rank splits evenly."""
+    return -(-vocab // (64 * tp)) * 64 * tp
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    zero: int = 0
+    micro_batch_size: int = 1
+    activation_checkpointing: bool = False
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    virtual_stages: int | None = None
+    stage_layers: tuple[tuple[int, ...], ...] | None = None
+
+    @classmethod
+    def of(cls, parallel) -> "Layout":
+        """The layout a config's `parallel` section describes."""
+        values = {f.name: getattr(parallel, f.name) for f in fields(cls)}
+        if values["stage_layers"] is not None:
+            values["stage_layers"] = tuple(tuple(s) for s in values["stage_layers"])
+        return cls(**values)
+
+    def with_dp(self, dp: int) -> "Layout":
+        return replace(self, dp=dp)
+
+    # -- arithmetic ---------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Interleaved holds v stages per rank (default 2); the V-shaped schedules hold 2."""
+        if self.pp == 1:
+            return 1
+        if self.schedule == "interleaved":
+            return self.virtual_stages or 2
+        return 2 if self.schedule in V_SHAPED else 1
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    def micro_batches(self, global_batch: int) -> int:
+        """Micro-batches each replica runs per optimizer step."""
+        return global_batch // (self.dp * self.micro_batch_size)
+
+    @property
+    def min_micro_batches(self) -> int:
+        """What torch's schedule needs per replica: 1F1B one per stage, the V shapes one per
+        stage of the V, GPipe and interleaved (whose rounds are checked apart) one."""
+        if self.pp == 1:
+            return 1
+        return {"1f1b": self.pp, "zbv": 2 * self.pp, "dualpipev": 2 * self.pp}.get(self.schedule, 1)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Rank -> position in the mesh. tp varies fastest so a TP group is contiguous ranks
+        (and so lands in one node when bundles are packed per node)."""
+        return {"dp": rank // (self.tp * self.pp), "pp": (rank // self.tp) % self.pp, "tp": rank % self.tp}
+
+    def rank_of(self, dp: int, pp: int, tp: int) -> int:
+        return (dp * self.pp + pp) * self.tp + tp
+
+    def ranks_where(self, **coords: int) -> list[int]:
+        """Ranks whose mesh coordinates match, e.g. ranks_where(pp=0) (the first stage)."""
+        return [r for r in range(self.world_size)
+                if all(self.coords(r)[k] == v for k, v in coords.items())]
+
+    def build_mesh(self, device_type: str):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, (self.dp, self.pp, self.tp), mesh_dim_names=("dp", "pp", "tp"))
+
+    # -- text and records ---------------------------------------------------------------------
+
+    def text(self, detail: bool = False) -> str:
+        """The layout as people read it; `detail` adds micro-batch size, schedule and options."""
+        core = f"dp={self.dp} pp={self.pp} tp={self.tp} zero={self.zero}"
+        if not detail:
+            return core
+        extra = [f"mbs={self.micro_batch_size}"] + ([self.schedule] if self.pp > 1 else [])
+        extra += ["+AC"] * self.activation_checkpointing + ["+SP"] * self.sequence_parallel
+        return " ".join([core, *extra])
+
+    def tag(self) -> str:
+        """The layout as an identifier (MLflow tag, run name)."""
+        return f"dp{self.dp}-pp{self.pp}-tp{self.tp}-zero{self.zero}"
+
+    def record(self) -> dict:
+        """What checkpoints, restart events and MLflow record: enough to reshard from."""
+        return {"dp": self.dp, "pp": self.pp, "tp": self.tp, "zero": self.zero, "world_size": self.world_size}
+
+    @classmethod
+    def from_record(cls, record: dict) -> "Layout":
+        return cls(record["dp"], record["pp"], record["tp"], record["zero"])
+
+    def as_parallel(self) -> dict:
+        """The config's `parallel` section for this layout."""
+        out = asdict(self)
+        if self.stage_layers is not None:
+            out["stage_layers"] = [list(s) for s in self.stage_layers]
+        return out
+
+    # -- rules ------------------------------------------------------------------------------
+
+    def check(self, shape: ModelShape, global_batch: int, seq_len: int,
+              devices_per_node: int | None = None) -> None:
+        """Raise LayoutError with the first reason this layout cannot run."""
+        for problem in self.problems(shape, global_batch, seq_len, devices_per_node):
+            raise LayoutError(problem)
+
+    def problems(self, shape: ModelShape, global_batch: int, seq_len: int,
+                 devices_per_node: int | None = None) -> list[str]:
+        """Every reason this layout cannot run this model at this batch, most basic first."""
+        return [*self._tensor_problems(shape, seq_len, devices_per_node), *self._pipeline_problems(shape),
+                *self._batch_problems(global_batch)]
+
+    def _tensor_problems(self, shape: ModelShape, seq_len: int, devices_per_node: int | None):
+        tp = self.tp
+        if tp > 1 and devices_per_node is not None and tp > devices_per_node:
+            yield f"parallel.tp ({tp}) exceeds the {devices_per_node} devices of a node; a TP group stays in one"
+        if tp > 1 and not shape.tp_plan:
+            yield ("parallel.tp > 1 needs a tensor-parallel plan for a model.factory model: set "
+                   "model.factory_tp_plan (docs/models.md), or use parallel.tp=1")
+        for name, size, paddable in shape.tp_sizes if tp > 1 else ():
+            if size % tp:
+                yield f"parallel.tp ({tp}) must divide {name} ({size})" + (f" in {shape.sizes_in}" * bool(shape.sizes_in)) + (
+                    f"; pad it: set model.vocab_size={padded_vocab(size, tp)}" if paddable else "")
+        if self.sequence_parallel and tp == 1:
+            yield "parallel.sequence_parallel needs parallel.tp > 1; set one or the other"
+        elif self.sequence_parallel and not shape.sequence_parallel:
+            yield (f"parallel.sequence_parallel is implemented for the built-in model, not {shape.kind}; "
+                   "it runs tensor parallel without it: set parallel.sequence_parallel=false")
+        elif self.sequence_parallel and seq_len % tp:
+            yield (f"parallel.sequence_parallel splits train.seq_len ({seq_len}) over parallel.tp ({tp}): "
+                   f"make it a multiple of {tp}")
+        if tp > 1 and self.zero == 1:
+            yield ("parallel.zero=1 (ZeroRedundancyOptimizer) does not take tensor-parallel (DTensor) "
+                   "parameters; use parallel.zero=2 (same memory for optimizer state, plus sharded "
+                   "gradients) or 0")
+
+    def _pipeline_problems(self, shape: ModelShape):
+        if self.schedule not in SCHEDULES:
+            yield f"parallel.schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}"
+        if self.virtual_stages is not None and self.schedule != "interleaved":
+            yield (f"parallel.virtual_stages applies to schedule=interleaved only (schedule is "
+                   f"{self.schedule!r}); remove it")
+        if self.pp == 1:
+            if self.stage_layers is not None:
+                yield "parallel.stage_layers needs parallel.pp > 1; remove it"
+            return
+        if shape.not_stageable:
+            yield shape.not_stageable
+        stages = self.num_stages
+        if stages > shape.n_layers:
+            yield (f"parallel.pp={self.pp} with schedule {self.schedule} makes {stages} pipeline stages but "
+                   f"{shape.layers_field} is {shape.n_layers}; every stage needs at least one layer: lower "
+                   f"parallel.pp{' or parallel.virtual_stages' if self.schedule == 'interleaved' else ''}")
+        if self.stage_layers is not None:
+            flat = [i for layers in self.stage_layers for i in layers]
+            if len(self.stage_layers) != stages or any(not layers for layers in self.stage_layers):
+                yield (f"parallel.stage_layers must list {stages} non-empty stages (pp x stages per rank "
+                       f"for {self.schedule}); got {len(self.stage_layers)}")
+            elif flat != list(range(shape.n_layers)):
+                yield (f"parallel.stage_layers must split layers 0..{shape.n_layers - 1} into consecutive "
+                       f"runs, in order, each layer once; got {[list(s) for s in self.stage_layers]}")
+
+    def _batch_problems(self, global_batch: int):
+        per_step = self.dp * self.micro_batch_size
+        if global_batch % per_step:
+            below, above = global_batch // per_step * per_step, (global_batch // per_step + 1) * per_step
+            yield (f"train.global_batch_size ({global_batch}) must be divisible by parallel.dp * "
+                   f"parallel.micro_batch_size = {self.dp}*{self.micro_batch_size} = {per_step}; try "
+                   f"train.global_batch_size={f'{below} or {above}' if below else above}")
+            return
+        micro, need = self.micro_batches(global_batch), self.min_micro_batches
+        if micro < need:
+            yield (f"schedule {self.schedule} with parallel.pp={self.pp} needs at least {need} micro-batches "
+                   f"per replica, but train.global_batch_size / (parallel.dp * parallel.micro_batch_size) = "
+                   f"{micro}; raise train.global_batch_size to {need * per_step} or lower "
+                   "parallel.micro_batch_size")
+        rounds = max(1, micro // self.pp)
+        if self.pp > 1 and self.schedule == "interleaved" and micro % rounds:
+            yield (f"schedule interleaved needs the micro-batch count ({micro}) to be a multiple of "
+                   f"max(1, micro-batches // pp) = {rounds}; use a multiple of parallel.pp={self.pp} "
+                   "micro-batches per replica")

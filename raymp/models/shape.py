@@ -1,0 +1,70 @@
+"""The ModelShape of a configured model: what the layout rules (raymp.layout) check a layout
+against. One function for the built-in model, Hugging Face models and factory modules, so config
+validation, the planner and the driver judge a layout by the same sizes."""
+
+from __future__ import annotations
+
+from raymp.layout import ModelShape
+
+TOKENIZER_VOCAB = {"byte": 256, "gpt2": 50257}
+
+
+def model_shape(model_cfg, vocab_size: int | None, tokenizer: str | None = None) -> ModelShape:
+    """`vocab_size`: the tokenizer's (None when unknown before the data is loaded); model.vocab_size
+    wins when set. `tokenizer` names where the vocabulary comes from in messages."""
+    vocab = model_cfg.vocab_size or vocab_size
+    if model_cfg.hf is not None or model_cfg.hf_config is not None:
+        from raymp.models.hf import load_hf_config, tensor_parallel_dims
+
+        hf = load_hf_config(model_cfg.hf, model_cfg.hf_config)
+        where = "model.hf_config" if model_cfg.hf_config is not None else f"config.json of model.hf ({model_cfg.hf})"
+        sizes = tuple((name, size, False) for name, size in tensor_parallel_dims(hf).items())
+        layers = "n_layer" if hf.model_type == "gpt2" else "num_hidden_layers"
+        return ModelShape(model_cfg.n_layers, sizes, sequence_parallel=False,
+                          kind=f"the Hugging Face {hf.model_type} model", layers_field=f"{layers} in {where}", sizes_in=where)
+    vocab_entry = () if vocab is None else ((
+        "model.vocab_size" if model_cfg.vocab_size else f"the vocabulary of the {tokenizer or 'data'} tokenizer",
+        vocab, True),)
+    if model_cfg.factory is not None:
+        from raymp.models.custom import STAGEABLE_NEEDED, FactorySpec
+
+        spec = FactorySpec.from_model_config(model_cfg, vocab or 256, 0)
+        return ModelShape(spec.num_layers if spec.stageable else model_cfg.n_layers, vocab_entry,
+                          tp_plan=model_cfg.factory_tp_plan is not None,
+                          not_stageable="" if spec.stageable else STAGEABLE_NEEDED,
+                          kind="model.factory's module", layers_field="the layer count of model.factory's module")
+    return ModelShape(model_cfg.n_layers, (("model.n_heads", model_cfg.n_heads, False),
+                                           ("model.n_kv_heads", model_cfg.n_kv_heads, False),
+                                           ("model.ffn_dim", model_cfg.ffn_dim, False), *vocab_entry))
+
+
+def probed_shape(model: dict) -> dict:
+    """ModelConfig's shape fields read off a Hugging Face config or a factory's module (built on
+    the meta device), for a `model` section (raw data) that names one. ValueError if it cannot be read."""
+    if model.get("hf") is not None or model.get("hf_config") is not None:
+        from raymp.models.hf import HFModelError, load_hf_config, shape_fields
+
+        try:
+            return shape_fields(load_hf_config(model.get("hf"), model.get("hf_config")))
+        except HFModelError as exc:
+            raise ValueError(str(exc)) from None
+    return _factory_shape(model["factory"], model.get("vocab_size") or 256)
+
+
+def _factory_shape(factory: str, vocab_size: int) -> dict:
+    """Layers, width, and an MLP width that gives each layer its real parameter count. Heads are
+    not visible from outside; they count as one."""
+    import torch
+
+    from raymp.models.custom import import_object
+
+    with torch.device("meta"):
+        probe = import_object(factory, "model.factory")(vocab_size=vocab_size)
+    layers = getattr(probe, "layers", None)
+    layers = list(layers.values()) if isinstance(layers, torch.nn.ModuleDict) else [probe]
+    embed = getattr(probe, "tok_embeddings", None)
+    dim = embed.weight.shape[1] if embed is not None else 1
+    per_layer = sum(p.numel() for p in layers[0].parameters())
+    return dict(dim=dim, n_layers=len(layers), n_heads=1, n_kv_heads=1,
+                ffn_dim=max(1, (per_layer - 4 * dim * dim) // (3 * dim)), max_seq_len=2**20,
+                rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False, init_std=0.02)

@@ -1,0 +1,125 @@
+"""One authority on layouts (raymp.layout): config validation and the planner judge every layout
+alike, and `parallel: auto` only ever proposes layouts the config accepts. No Ray, no actors."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from raymp.config import ConfigError, ModelConfig, config_from_dict
+from raymp.config.loading import with_model_shape
+from raymp.layout import Layout
+from raymp.models import model_args
+from raymp.models.shape import TOKENIZER_VOCAB, model_shape
+from raymp.planner import Cluster, layout_problem, plan
+
+GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 4, "n_positions": 256, "vocab_size": 256}
+LLAMA = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "intermediate_size": 172, "num_hidden_layers": 4, "max_position_embeddings": 256, "vocab_size": 256}
+QWEN2 = {"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 1,
+         "intermediate_size": 128, "num_hidden_layers": 3, "max_position_embeddings": 256, "vocab_size": 256}
+MODELS = {
+    "tiny": {"preset": "tiny"},
+    "tiny 8 layers": {"preset": "tiny", "n_layers": 8},
+    "odd built-in": {"preset": None, "dim": 96, "n_layers": 6, "n_heads": 6, "n_kv_heads": 3, "ffn_dim": 200,
+                     "max_seq_len": 256, "vocab_size": 300, "rope_theta": 10000.0, "norm_eps": 1e-5,
+                     "tie_embeddings": True, "init_std": 0.02},
+    "gpt2 n_inner=256": {"hf_config": {**GPT2, "n_inner": 256}},
+    "gpt2 n_inner=258": {"hf_config": {**GPT2, "n_inner": 258}},
+    "llama": {"hf_config": LLAMA},
+    "qwen2": {"hf_config": QWEN2},
+}
+WIDE = Cluster(nodes=1, gpus_per_node=8)  # no layout below is refused for its node size
+
+
+def _run(model: str, parallel: dict, global_batch: int, seq_len: int) -> dict:
+    return {"model": MODELS[model], "parallel": parallel,
+            "train": {"global_batch_size": global_batch, "seq_len": seq_len, "steps": 20},
+            "optimizer": {"warmup_steps": 1}}
+
+
+def _config_verdict(run: dict) -> str:
+    try:
+        config_from_dict(run)
+        return ""
+    except ConfigError as err:
+        return str(err)
+
+
+def _planner_verdict(run: dict) -> str:
+    """What `raymp plan --compare` says of the layout: the planner's own judgement."""
+    model = ModelConfig.model_validate(with_model_shape(run["model"]))
+    vocab = TOKENIZER_VOCAB["byte"]
+    p = run["parallel"]
+    layout = Layout(**{k: v for k, v in p.items() if k != "stage_layers"})
+    return layout_problem(model_args(model, vocab), layout, run["train"]["global_batch_size"],
+                          run["train"]["seq_len"], WIDE, model_shape(model, vocab, "byte"))
+
+
+def _layouts():
+    for dp, pp, tp, zero, mbs, sp, schedule, gb, seq in itertools.product(
+            (1, 2, 3, 4), (1, 2, 4), (1, 2, 4), (0, 1, 2, 3), (1, 2), (False, True),
+            ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev"), (8, 12, 16), (30, 32)):
+        virtual = (None, 3) if schedule == "interleaved" else (None,)
+        for v in virtual:
+            yield {"dp": dp, "pp": pp, "tp": tp, "zero": zero, "micro_batch_size": mbs, "sequence_parallel": sp,
+                   "schedule": schedule, "virtual_stages": v}, gb, seq
+
+
+def test_planner_and_config_agree_on_2500_layouts():
+    cases = list(itertools.product(MODELS, _layouts()))
+    sample = random.Random(0).sample(cases, 2500)
+    disagree, accepted = [], 0
+    for model, (parallel, gb, seq) in sample:
+        run = _run(model, parallel, gb, seq)
+        config, planner = _config_verdict(run), _planner_verdict(run)
+        accepted += config == ""
+        if (config == "") != (planner == ""):
+            disagree.append((model, parallel, gb, seq, config or "accepted", planner or "accepted"))
+    assert not disagree, f"{len(disagree)} disagreements, e.g. {disagree[:3]}"
+    assert 200 < accepted < 2300, "the sample should hold plenty of both verdicts"
+
+
+@pytest.mark.parametrize("model, parallel, gb, verdict", [
+    # The cases that once disagreed (config said one thing, the planner the other).
+    ("tiny 8 layers", {"pp": 4, "schedule": "zbv", "micro_batch_size": 2}, 8, "needs at least 8 micro-batches"),
+    ("tiny 8 layers", {"pp": 4, "schedule": "gpipe", "micro_batch_size": 2}, 8, ""),
+    ("gpt2 n_inner=256", {"tp": 4}, 8, ""),
+    ("gpt2 n_inner=258", {"tp": 4}, 8, "must divide n_inner (258)"),
+    ("llama", {"tp": 2, "sequence_parallel": True}, 8, "implemented for the built-in model"),
+])
+def test_once_disagreeing_cases_get_one_verdict(model, parallel, gb, verdict):
+    run = _run(model, parallel, gb, 32)
+    config, planner = _config_verdict(run), _planner_verdict(run)
+    assert (config == "") == (planner == "") == (verdict == "")
+    assert verdict in config and verdict in planner
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("nodes, gpus", [(1, 2), (1, 4), (2, 4), (1, 8)])
+def test_auto_only_proposes_layouts_the_config_accepts(model, nodes, gpus):
+    cluster = {"nodes": nodes, "gpus_per_node": gpus, "gpu_memory_gb": 80}
+    base = _run(model, {}, 16, 30)  # 30: sequence parallelism must not be proposed where it cannot split
+    cfg = config_from_dict({**base, "parallel": "auto", "cluster": cluster})
+    assert cfg.parallel.world_size == nodes * gpus
+    m = ModelConfig.model_validate(with_model_shape(MODELS[model]))
+    result = plan(model_args(m, 256), Cluster(nodes, gpus), 16, 30, shape=model_shape(m, 256, "byte"))
+    for candidate in result.candidates:  # every layout the planner judges, not only the best
+        lay = candidate.layout
+        assert not (lay.dp == 1 and lay.zero > 0), f"a no-op proposed: {lay.text(detail=True)}"
+        config_from_dict({**base, "parallel": lay.as_parallel()})
+
+
+def test_layout_text_forms_and_records_round_trip():
+    lay = Layout(dp=2, pp=2, tp=2, zero=3, micro_batch_size=2, sequence_parallel=True, schedule="gpipe")
+    assert lay.text() == "dp=2 pp=2 tp=2 zero=3"
+    assert lay.text(detail=True) == "dp=2 pp=2 tp=2 zero=3 mbs=2 gpipe +SP"
+    assert lay.tag() == "dp2-pp2-tp2-zero3"
+    assert Layout.from_record(lay.record()).text() == lay.text()
+    assert [lay.coords(r) for r in (0, 1, 2, 7)] == [
+        {"dp": 0, "pp": 0, "tp": 0}, {"dp": 0, "pp": 0, "tp": 1}, {"dp": 0, "pp": 1, "tp": 0},
+        {"dp": 1, "pp": 1, "tp": 1}]
+    assert all(lay.rank_of(**lay.coords(r)) == r for r in range(lay.world_size))
+    assert lay.ranks_where(pp=0) == [0, 1, 4, 5]
