@@ -9,6 +9,25 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# Tiers (`pytest -m unit`, `-m integration`, `-m system`). System tests drive raymp from outside:
+# subprocesses (the CLI, `ray job submit`, a notebook kernel, an MLflow server, a browser) or
+# simulated multi-node clusters. Integration tests use the session's Ray and its actors. Unit
+# tests use neither.
+SYSTEM = {"test_cli", "test_job_submit", "test_notebook", "test_tracking_server", "test_placement",
+          "test_fault_matrix_cluster", "test_benchmark_peers"}
+RAY_FIXTURES = {"ray_local", "data_cache", "group2", "group4", "group8", "tiny_cfg"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if module in SYSTEM or item.get_closest_marker("system"):
+            item.add_marker(pytest.mark.system)
+        elif RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+        else:
+            item.add_marker(pytest.mark.unit)
+
 
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory, ray_local):

@@ -84,6 +84,7 @@ def test_hung_rank_is_detected(tiny_cfg, tmp_path, kind):
         group.shutdown()
 
 
+@pytest.mark.system
 def test_local_cluster_helper_shows_a_node_loss_and_return(tmp_path, data_cache):
     """cluster/local_cluster.py, scripted: a node removed after step 5, one added after step 9."""
     root = Path(__file__).resolve().parent.parent
