@@ -40,12 +40,12 @@ def ray_local():
     import ray
 
     if not ray.is_initialized():
-        # Ray's workers import test helpers too (a tokenizer plugged in by import path).
-        tests = os.path.dirname(os.path.abspath(__file__))
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
         # Logical CPUs, not cores: shared groups (2 + 4 + 8 actors) stay up while tests start their own.
-        # address="local": a Ray of its own, even while another one runs on this machine.
-        ray.init(address="local", num_cpus=32, include_dashboard=False, log_to_driver=False)
+        # address="local": a Ray of its own, even while another one runs on this machine. Ray's
+        # workers import tests/helpers by name (a factory model, a tokenizer, failing workers).
+        helpers = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers")
+        ray.init(address="local", num_cpus=32, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"py_modules": [helpers]})
     yield ray
     ray.shutdown()
 

@@ -144,7 +144,7 @@ def _free_port() -> int:
 
 
 def test_crash_mid_write_leaves_the_previous_checkpoint_loadable(tmp_path, data_cache, group2):
-    from ckpt_workers import CrashDuringSaveWorker
+    from helpers.ckpt_workers import CrashDuringSaveWorker
 
     ckpt = tmp_path / "checkpoints"
     with Trainer(run_cfg(tmp_path / "ref", data_cache, tmp_path / "none", dp=2, steps=6),

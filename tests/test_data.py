@@ -164,19 +164,10 @@ def test_batch_larger_than_dataset_is_refused():
         TrainOrder(10, 0.1, seed=0, global_batch=16)
 
 
-class ReversedBytes:
-    """A tokenizer plugged in by import path (data.tokenizer = 'test_data:ReversedBytes')."""
-
-    name, vocab_size, eot_id = "reversed-bytes", 256, 0
-
-    def encode(self, text):
-        return np.frombuffer(text.encode()[::-1], dtype=np.uint8).astype(np.int32)
-
-
 def test_pluggable_tokenizer(tmp_path, ray_local):
     src = tmp_path / "c.txt"
     src.write_text("abcdefghijklmnopqrstuvwxyz" * 4)
-    data = _load(_cfg(tmp_path, src, tokenizer="test_data:ReversedBytes"))
+    data = _load(_cfg(tmp_path, src, tokenizer="helpers.plugins:ReversedBytes"))
     assert data.tokenizer == "reversed-bytes"
     assert bytes(data.gather([0])[0][:3].astype(np.uint8)) == b"zyx"
     with pytest.raises(ValueError, match="cannot load"):

@@ -64,7 +64,7 @@ def test_gives_up_after_max_restarts(tiny_cfg, tmp_path):
 def test_hung_rank_is_detected(tiny_cfg, tmp_path, kind):
     """A wedged rank: the step timeout catches it, or (without one) the survivors' collectives
     fail at the process-group timeout. Either way a WorkerLostError, not a hang."""
-    from ckpt_workers import HangingWorker
+    from helpers.ckpt_workers import HangingWorker
 
     collective_timeout = 60 if kind == "timeout" else 3
     group = ActorGroup(2, "cpu", placement_timeout_s=60, collective_timeout_s=collective_timeout,

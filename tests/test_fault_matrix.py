@@ -111,7 +111,7 @@ def _make_read_only(path: Path):
 
 @pytest.fixture(scope="module")
 def disk_full_group(ray_local):
-    from ckpt_workers import FailingStorageWorker
+    from helpers.ckpt_workers import FailingStorageWorker
 
     group = ActorGroup(2, "cpu", placement_timeout_s=60, collective_timeout_s=60, worker_cls=FailingStorageWorker)
     yield group
@@ -146,7 +146,7 @@ def test_full_disk_save_removes_its_partial_dir_and_a_finished_run_stays_finishe
 
 @pytest.mark.timeout(240)
 def test_storage_slower_than_write_timeout_gives_the_save_up(data_cache, tmp_path, ref, capsys):
-    from ckpt_workers import SlowStorageWorker
+    from helpers.ckpt_workers import SlowStorageWorker
 
     group = ActorGroup(2, "cpu", placement_timeout_s=60, collective_timeout_s=60, worker_cls=SlowStorageWorker)
     try:
@@ -314,7 +314,7 @@ def test_mlflow_records_each_step_once_and_numbers_restarts_across_drivers(ref, 
 def test_rendezvous_timeout_names_its_knob_and_leaves_no_placement_group(ray_local):
     import ray
 
-    from ckpt_workers import NeverJoinsWorker
+    from helpers.ckpt_workers import NeverJoinsWorker
 
     free = ray.available_resources().get("CPU", 0)
     with pytest.raises(WorkerLostError, match=r"resources.rendezvous_timeout_s"):
@@ -342,7 +342,7 @@ def _wait_for_cpus(free: float) -> None:
 
 @pytest.mark.timeout(120)
 def test_setup_timeout_names_its_knob(ray_local, data_cache, tmp_path):
-    from ckpt_workers import SlowSetupWorker
+    from helpers.ckpt_workers import SlowSetupWorker
 
     group = ActorGroup(2, "cpu", placement_timeout_s=60, worker_cls=SlowSetupWorker)
     try:

@@ -77,7 +77,7 @@ def test_model_config_takes_its_shape_from_the_hf_config():
     ({"hf_config": LLAMA, "factory": "x:y"}, {}, "set one of model.hf_config or model.factory"),
     ({"hf_config": {**LLAMA, "num_key_value_heads": 1}}, {"tp": 2}, r"must divide num_key_value_heads \(1\)"),
     ({"hf_config": LLAMA}, {"tp": 2, "sequence_parallel": True}, "implemented for the built-in model, not the Hugging Face"),
-    ({"factory": "custom_model:build"}, {"tp": 2}, "model.factory_tp_plan"),
+    ({"factory": "helpers.custom_model:build"}, {"tp": 2}, "model.factory_tp_plan"),
     # The glue runs layers with no mask: a window shorter than train.seq_len (128) would be ignored.
     ({"hf_config": {**LLAMA, "model_type": "mistral", "sliding_window": 16}}, {},
      r"sliding-window attention \(sliding_window=16, on every layer\) shorter than train.seq_len \(128\)"),
@@ -124,13 +124,13 @@ def test_hf_model_matches_single_process(family, layout, group2, tiny_cfg):
 def test_factory_module_under_dp_zero3_pp_and_tp(group2, tiny_cfg):
     """A module raymp has never seen: ZeRO-3 needs nothing of it, the pipeline its stageable
     shape, tensor parallelism the plan named in the config."""
-    model = {"preset": None, "factory": "custom_model:build", "factory_tp_plan": "custom_model:tp_plan"}
+    model = {"preset": None, "factory": "helpers.custom_model:build", "factory_tp_plan": "helpers.custom_model:tp_plan"}
     for name in ("dp2-zero3", "pp2", "tp2"):
         check_parity(hf_run(tiny_cfg, model, LAYOUTS[name]), group2, weight_atol=WEIGHT_ATOL)
 
 
 def test_factory_module_without_the_stageable_shape_cannot_pipeline(tiny_cfg):
-    cfg = hf_run(tiny_cfg, {"preset": None, "factory": "custom_model:build_flat"}, LAYOUTS["pp2"])
+    cfg = hf_run(tiny_cfg, {"preset": None, "factory": "helpers.custom_model:build_flat"}, LAYOUTS["pp2"])
     with pytest.raises(ConfigError, match="stageable shape"):
         config_from_dict(cfg)
 

@@ -33,7 +33,7 @@ def ray_head():
     temp = tempfile.mkdtemp(prefix="rh", dir="/tmp")  # short: Ray's unix socket paths are limited
     port, dash = free_port(), free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": ""}
-    env.pop("PYTHONPATH", None)  # the session's (tests/ on it, for its own Ray) is not the cluster's
+    env.pop("PYTHONPATH", None)  # the client job runs with the cluster's environment, not this one
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", f"--temp-dir={temp}", f"--port={port}",
          f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--include-dashboard=true",

@@ -1,5 +1,5 @@
-"""Workers that fail on purpose, for checkpoint and failure-detection tests. Importable by Ray's
-worker processes (conftest puts tests/ on their PYTHONPATH)."""
+"""Workers that fail on purpose, for checkpoint and failure-detection tests (shipped to Ray's
+worker processes with the helpers package)."""
 
 from __future__ import annotations
 
