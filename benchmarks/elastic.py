@@ -13,15 +13,13 @@ import tempfile
 import threading
 import time
 
-import ray
-from ray.cluster_utils import Cluster
-
 from benchmarks.common import global_batches, median, run_config, spread
+from raymp.runtime.simulated_cluster import SimulatedCluster
 
 KILL_AFTER, EVERY, STEPS = 6, 4, 14
 
 
-def _raymp_recovery(cluster, nodes, root: str, rep: int) -> dict:
+def _raymp_recovery(cluster, root: str, rep: int) -> dict:
     from raymp.config import config_from_dict
     from raymp.trainer import Trainer
 
@@ -34,7 +32,7 @@ def _raymp_recovery(cluster, nodes, root: str, rep: int) -> dict:
     while len(trainer.history) < KILL_AFTER:
         time.sleep(0.01)
     victim_id = trainer.group.nodes[0]["node_id"]
-    killed = _remove(cluster, nodes, victim_id)
+    killed = _remove(cluster, victim_id)
     thread.join()
     (event,) = trainer.restarts
     after = min(m["finished_at"] for m in trainer.history if m["finished_at"] > killed)
@@ -45,7 +43,7 @@ def _raymp_recovery(cluster, nodes, root: str, rep: int) -> dict:
     return out
 
 
-def _ray_train_recovery(cluster, nodes, root: str, rep: int, cfg: dict, batches, vocab: int) -> dict:
+def _ray_train_recovery(cluster, root: str, rep: int, cfg: dict, batches, vocab: int) -> dict:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -64,7 +62,7 @@ def _ray_train_recovery(cluster, nodes, root: str, rep: int, cfg: dict, batches,
     thread.start()
     while len(records := _read(log, "step")) < KILL_AFTER:
         time.sleep(0.01)
-    killed = _remove(cluster, nodes, records[0]["node"])
+    killed = _remove(cluster, records[0]["node"])
     thread.join()
     steps, resumed = _read(log, "step"), _read(log, "resumed")
     after = min(r["at"] for r in steps if r["at"] > killed)
@@ -81,12 +79,10 @@ def _read(path: str, event: str) -> list[dict]:
         return [r for line in f if line.strip() and (r := json.loads(line)).get("event") == event]
 
 
-def _remove(cluster, nodes: list, node_id: str) -> float:
-    victim = next(n for n in nodes if n.node_id == node_id)
+def _remove(cluster, node_id: str) -> float:
     killed = time.time()
-    cluster.remove_node(victim)
-    nodes.remove(victim)
-    nodes.append(cluster.add_node(num_cpus=3))  # a replacement joins, as an autoscaler would bring one
+    cluster.remove(node_id)
+    cluster.add(3, wait=False)  # a replacement joins, as an autoscaler would bring one
     return killed
 
 
@@ -94,22 +90,19 @@ def measure(opts) -> dict:
     from benchmarks.recovery import checkpoint_cost
 
     root = tempfile.mkdtemp(prefix="raymp-bench-elastic-")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    nodes = [cluster.add_node(num_cpus=3) for _ in range(2)]
-    ray.init(address=cluster.address, log_to_driver=False)
-    cluster.wait_for_nodes()
+    cluster = SimulatedCluster(head_cpus=1)
+    cluster.resize(2, 3)
     runs = {"raymp": [], "Ray Train": []}
     try:
         cfg = run_config("elastic", f"{root}/runs", dp=2, zero=0, steps=STEPS, cpus_per_actor=1.5)
         batches, vocab = global_batches(cfg)
         for rep in range(opts.reps):
-            runs["raymp"].append(_raymp_recovery(cluster, nodes, root, rep))
-            cluster.wait_for_nodes()
-            runs["Ray Train"].append(_ray_train_recovery(cluster, nodes, root, rep, cfg, batches, vocab))
-            cluster.wait_for_nodes()
+            runs["raymp"].append(_raymp_recovery(cluster, root, rep))
+            cluster.resize(2, 3)
+            runs["Ray Train"].append(_ray_train_recovery(cluster, root, rep, cfg, batches, vocab))
+            cluster.resize(2, 3)
         cost = checkpoint_cost(root, "small", 3 * opts.steps, 5, opts.reps)
     finally:
-        ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(root, ignore_errors=True)
     reference = runs["raymp"][0]["losses"]

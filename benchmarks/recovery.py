@@ -26,10 +26,8 @@ import tempfile
 import threading
 import time
 
-import ray
-from ray.cluster_utils import Cluster
-
 from raymp.runtime.actor_group import ActorGroup
+from raymp.runtime.simulated_cluster import SimulatedCluster
 from raymp.trainer import Trainer
 
 MODELS = {"tiny": dict(global_batch_size=16, seq_len=128), "small": dict(global_batch_size=16, seq_len=128)}
@@ -51,7 +49,7 @@ def config(root: str, model: str, steps: int, **sections) -> dict:
     return cfg
 
 
-def recovery(cluster: Cluster, nodes: list, root: str, model: str, steps: int) -> dict:
+def recovery(cluster, root: str, model: str, steps: int) -> dict:
     cfg = config(root, model, steps, parallel={"pp": 2, "schedule": "1f1b"},
                  checkpoint={"every": 4, "dir": f"{root}/ck-{model}"},
                  elastic={"wait_for_resources_s": 0})
@@ -62,17 +60,14 @@ def recovery(cluster: Cluster, nodes: list, root: str, model: str, steps: int) -
     while len(trainer.history) < 10:
         time.sleep(0.02)
     victim_id = trainer.group.nodes[-1]["node_id"]
-    victim = next(n for n in nodes if n.node_id == victim_id)
     killed = time.time()
-    cluster.remove_node(victim)
-    nodes.remove(victim)
+    cluster.remove(victim_id)
     thread.join()
     (event,) = trainer.restarts
     after = min(m["finished_at"] for m in trainer.history if m["finished_at"] > killed)
     steady = statistics.median(m["step_time_s"] for m in trainer.history[2:8])
     trainer.close()
-    nodes.append(cluster.add_node(num_cpus=3))  # back to two worker nodes for the next run
-    cluster.wait_for_nodes()
+    cluster.resize(2, 3)  # back to two worker nodes for the next run
     return {
         "model": model, "step_s": steady, "detect_s": event["detected_at"] - killed,
         "restart_s": event["restart_s"], "to_next_step_s": after - killed,
@@ -118,19 +113,16 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="raymp-bench-")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    nodes = [cluster.add_node(num_cpus=3) for _ in range(2)]
-    ray.init(address=cluster.address, log_to_driver=False)
-    cluster.wait_for_nodes()
+    cluster = SimulatedCluster(head_cpus=1)
+    cluster.resize(2, 3)
     try:
-        rec = [recovery(cluster, nodes, root, m, args.steps) for m in args.models]
+        rec = [recovery(cluster, root, m, args.steps) for m in args.models]
         cost = [row for m in args.models for row in checkpoint_cost(root, m, args.steps, args.every, args.rounds)]
     finally:
-        ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(root, ignore_errors=True)
     print("\nRecovery from a lost node (dp=2 x pp=2 -> dp=1 x pp=2)")
-    print(f"| model | step (s) | detect (s) | restart (s) | node lost -> next step (s) | steps redone |")
+    print("| model | step (s) | detect (s) | restart (s) | node lost -> next step (s) | steps redone |")
     print("|---|---|---|---|---|---|")
     for r in rec:
         print(f"| {r['model']} | {r['step_s']:.2f} | {r['detect_s']:.2f} | {r['restart_s']:.1f} | "

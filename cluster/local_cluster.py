@@ -34,16 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--add-at", type=int, help="add a worker node once this many steps are done")
     args = parser.parse_args(argv)
 
-    import ray
-    from ray.cluster_utils import Cluster
-
     from raymp import Trainer
+    from raymp.runtime.simulated_cluster import SimulatedCluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": args.head_cpus})
-    nodes = [cluster.add_node(num_cpus=args.cpus_per_node) for _ in range(args.nodes)]
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
-    say(f"cluster up: head ({args.head_cpus:g} CPU) + {len(nodes)} node(s) of {args.cpus_per_node:g} CPUs")
+    cluster = SimulatedCluster(head_cpus=args.head_cpus)
+    cluster.resize(args.nodes, args.cpus_per_node)
+    say(f"cluster up: head ({args.head_cpus:g} CPU) + {args.nodes} node(s) of {args.cpus_per_node:g} CPUs")
     say("commands: nodes | kill N | add | quit")
 
     trainer = Trainer(args.config, args.overrides)
@@ -66,9 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     while thread.is_alive():
         while due:
             command, done = due.pop(0)
-            _run_command(command, cluster, nodes, args.cpus_per_node)
-            if command == "add":
-                cluster.wait_for_nodes()
+            _run_command(command, cluster, args.cpus_per_node)  # an added node is registered on return
             done.set()
         while commands:
             command = commands.pop(0)
@@ -76,11 +70,10 @@ def main(argv: list[str] | None = None) -> int:
                 say("quit: stopping the cluster (the run ends with it)")
                 cluster.shutdown()
                 return 1
-            _run_command(command, cluster, nodes, args.cpus_per_node)
+            _run_command(command, cluster, args.cpus_per_node)
         time.sleep(0.05)  # cluster_utils wants add/remove on the main thread: commands wait here
     thread.join()
     trainer.close()
-    ray.shutdown()
     cluster.shutdown()
     if outcome:
         say(f"the run failed: {outcome[0]}")
@@ -109,18 +102,18 @@ def _stdin_commands() -> list[str]:
     return commands
 
 
-def _run_command(command: str, cluster, nodes: list, cpus: float) -> None:
-    words = command.split()
+def _run_command(command: str, cluster, cpus: float) -> None:
+    words, nodes = command.split(), cluster.nodes
     if words[0] == "nodes":
         for i, node in enumerate(nodes):
             say(f"  {i}: {node.node_id}")
     elif words[0] == "kill" and len(words) == 2 and words[1].isdigit() and int(words[1]) < len(nodes):
-        node = nodes.pop(int(words[1]))
-        cluster.remove_node(node)
+        node = nodes[int(words[1])]
+        cluster.remove(node)
         say(f"removed node {words[1]} ({node.node_id}); {len(nodes)} worker node(s) left")
     elif words[0] == "add":
-        nodes.append(cluster.add_node(num_cpus=cpus))
-        say(f"added node {len(nodes) - 1} ({nodes[-1].node_id}); {len(nodes)} worker node(s)")
+        node = cluster.add(cpus)
+        say(f"added node {len(nodes) - 1} ({node.node_id}); {len(nodes)} worker node(s)")
     else:
         say(f"unknown command {command!r}; commands: nodes | kill N (0..{len(nodes) - 1}) | add | quit")
 

@@ -22,12 +22,12 @@ import time
 from pathlib import Path
 
 import ray
-from ray.cluster_utils import Cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from faults import matrix_cfg  # noqa: E402
 
 from raymp import Trainer  # noqa: E402
+from raymp.runtime.simulated_cluster import SimulatedCluster  # noqa: E402
 from raymp.runtime.worker import Worker  # noqa: E402
 
 BOUND_S = 240  # per scenario: past this it counts as hung
@@ -42,10 +42,10 @@ class SlowWriteWorker(Worker):
     exists: a save stays in flight on demand. Defined in the probe's __main__, so Ray ships the
     class by value."""
 
-    def setup(self, cfg_dict: dict, vocab_size: int) -> dict:
-        info = super().setup(cfg_dict, vocab_size)
+    def setup(self, cfg, vocab_size: int) -> dict:
+        info = super().setup(cfg, vocab_size)
         make_writer = self.checkpointer.writer_factory
-        release = cfg_dict["output_dir"] + "/release-writes"
+        release = cfg.output_dir + "/release-writes"
 
         def writer_factory(path: str):
             writer = make_writer(path)
@@ -65,34 +65,17 @@ class SlowWriteWorker(Worker):
         return info
 
 
-class Probe:
+class Probe(SimulatedCluster):
+    """The simulated cluster every scenario runs on (a 1-CPU head for the driver and its data)."""
+
     def __init__(self, cache: str):
+        super().__init__(head_cpus=1)
         self.cache = cache
-        self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-        ray.init(address=self.cluster.address, log_to_driver=False)
-        self.nodes: list = []
 
     def reset(self, count: int, cpus: int) -> None:
         """`count` worker nodes of `cpus` CPUs: nodes of the last scenario that fit are kept."""
-        keep = [n for n in self.nodes if n.num_cpus == cpus][:count]
-        for node in [n for n in self.nodes if n not in keep]:
-            self.cluster.remove_node(node)
-        self.nodes = keep + [self._new_node(cpus) for _ in range(count - len(keep))]
-        self.cluster.wait_for_nodes()
+        self.resize(count, cpus)
         wait_until(lambda: ray.available_resources().get("CPU", 0) >= count * cpus + 1, "the cluster's CPUs")
-
-    def remove_node_of(self, node_id: str) -> None:
-        node = next(n for n in self.nodes if n.node_id == node_id)
-        self.nodes.remove(node)
-        self.cluster.remove_node(node)
-
-    def add_node(self, cpus: int) -> None:
-        self.nodes.append(self._new_node(cpus))
-
-    def _new_node(self, cpus: int):
-        node = self.cluster.add_node(num_cpus=cpus)
-        node.num_cpus = cpus
-        return node
 
 
 def wait_until(predicate, what: str, bound: float = BOUND_S) -> None:
@@ -165,7 +148,7 @@ def node_loss(probe, root, zero=0, dp=2, nodes=2, cpus=2, after=3, rank=1, commi
     run = Run(cfg_for(root, probe.cache, parallel=parallel, **sections))
     run.after_steps(after, committed)
     lost_at = time.time()
-    probe.remove_node_of(run.node_of_rank(rank))
+    probe.remove(run.node_of_rank(rank))
     result = run.finish()
     # Node lost -> the next step completed (the benchmark-style number the README quotes).
     after_loss = [m["finished_at"] for m in run.trainer.history if m["finished_at"] > lost_at]
@@ -201,7 +184,7 @@ def _mid_write(probe, root):
     Path(root, "runs").mkdir(parents=True, exist_ok=True)
     pending = lambda: run.trainer.checkpoints.pending  # noqa: E731
     wait_until(lambda: pending() is not None and pending().step == 4, "the save of step 4 in flight")
-    probe.remove_node_of(run.node_of_rank(1))
+    probe.remove(run.node_of_rank(1))
     wait_until(lambda: run.trainer.restarts or not run.thread.is_alive(), "the restart")
     Path(root, "runs", "release-writes").touch()  # storage answers again
     return run.finish()
@@ -212,11 +195,11 @@ def _two_losses(probe, root):
     probe.reset(3, 2)
     run = Run(cfg_for(root, probe.cache))
     run.after_steps(2)
-    probe.remove_node_of(run.node_of_rank(1))
+    probe.remove(run.node_of_rank(1))
     wait_until(lambda: run.trainer.restarts or not run.thread.is_alive(), "the first restart")
     done = len(run.trainer.history)
     run.after_steps(done + 1)
-    probe.remove_node_of(run.node_of_rank(0))
+    probe.remove(run.node_of_rank(0))
     return run.finish()
 
 
@@ -237,9 +220,9 @@ def _loss_mid_restart(probe, root, bundle: int):
     run = Run(cfg_for(root, probe.cache, resources={"rendezvous_timeout_s": 12}), on_event=on_event)
     run.after_steps(3, committed=2)
     where["armed"] = True
-    probe.remove_node_of(run.node_of_rank(1))
+    probe.remove(run.node_of_rank(1))
     wait_until(placed.is_set, "the restart's placement")
-    probe.remove_node_of(where["nodes"][bundle])
+    probe.remove(where["nodes"][bundle])
     go.set()
     return run.finish()
 
@@ -264,10 +247,9 @@ def _grow_back(probe, root):
     run = Run(cfg_for(root, probe.cache, tracking=tracking), on_event=on_event)
     run.after_steps(2)
     armed["go"] = threading.Event()
-    probe.remove_node_of(run.node_of_rank(1))
+    probe.remove(run.node_of_rank(1))
     wait_until(placed.is_set, "the restart's placement")
-    probe.add_node(2)
-    probe.cluster.wait_for_nodes()
+    probe.add(2)
     armed["go"].set()
     run_id, uri = run.trainer.tracker.run_id, run.trainer.tracker.uri
     result = run.finish()
@@ -292,7 +274,7 @@ def _no_room(probe, root):
     run = Run(cfg_for(root, probe.cache, parallel={"dp": 1}, elastic={"wait_for_resources_s": 2}))
     run.after_steps(2)
     for node in list(probe.nodes):
-        probe.remove_node_of(node.node_id)
+        probe.remove(node.node_id)
     return run.finish()
 
 
@@ -302,7 +284,7 @@ def _driver_killed(probe, root):
     cfg = cfg_for(root, probe.cache)
     cfg_path, history = Path(root, "cfg.json"), Path(root, "history.jsonl")
     cfg_path.write_text(json.dumps(cfg))
-    env = {**os.environ, "RAY_ADDRESS": probe.cluster.address}
+    env = {**os.environ, "RAY_ADDRESS": probe.address}
     cmd = [sys.executable, __file__, "--driver", str(cfg_path), str(history)]
     first = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     committed = Path(cfg["checkpoint"]["dir"], "step-00000004", "raymp.json")
@@ -356,8 +338,7 @@ def main() -> None:
             out.flush()
             if result.get("hung"):
                 os._exit(3)  # a thread is stuck: the scenarios after it cannot share this cluster
-    ray.shutdown()
-    probe.cluster.shutdown()
+    probe.shutdown()
 
 
 if __name__ == "__main__":

@@ -8,9 +8,8 @@ import json
 import time
 
 import ray
-from ray.cluster_utils import Cluster
-
 from raymp.runtime.actor_group import ActorGroup, PlacementError
+from raymp.runtime.simulated_cluster import SimulatedCluster
 from raymp.runtime.worker import Worker
 
 
@@ -20,10 +19,8 @@ class PlacementOnlyWorker(Worker):
 
 
 def main() -> None:
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    nodes = [cluster.add_node(num_cpus=4, num_gpus=2) for _ in range(2)]
-    ray.init(address=cluster.address, log_to_driver=False)
-    cluster.wait_for_nodes()
+    cluster = SimulatedCluster(head_cpus=0)
+    nodes = [cluster.add(cpus=4, gpus=2) for _ in range(2)]
     out = {"node_ids": sorted(n.node_id for n in nodes)}
     group = ActorGroup(4, "cuda", tp_size=2, worker_cls=PlacementOnlyWorker, placement_timeout_s=60)
     out["tp2"] = [{"node": n["node_id"], "gpus": n["gpu_ids"]} for n in group.nodes]
@@ -43,7 +40,6 @@ def main() -> None:
         time.sleep(0.2)
     out["gpus_free_after"] = ray.available_resources().get("GPU", 0)
     print(json.dumps(out))
-    ray.shutdown()
     cluster.shutdown()
 
 
