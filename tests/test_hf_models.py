@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 from raymp.checkpoint.export import export_hf_dir  # noqa: E402
 from raymp.config import ConfigError, config_from_dict  # noqa: E402
 from raymp.models import build_model, model_spec  # noqa: E402
-from raymp.models.hf import HFSpec, export_hf, load_hf_config  # noqa: E402
+from raymp.models.hf import HFSpec, export_hf, load_hf_config, to_hf_state_dict  # noqa: E402
 from raymp.reference import train_single_process  # noqa: E402
 from raymp.trainer import Trainer  # noqa: E402
 from test_parity_dp import assert_losses_match, check_parity  # noqa: E402
@@ -25,6 +25,11 @@ LLAMA = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_si
 GPT2 = dict(model_type="gpt2", vocab_size=256, n_embd=64, n_layer=4, n_head=4, n_positions=128,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
 FAMILIES = {"llama": LLAMA, "gpt2": GPT2}
+# Sliding windows shorter than the sequences below (32): Mistral slides on every layer, Qwen2 on
+# the layers from max_window_layers on.
+SLIDING = {"mistral": {**LLAMA, "model_type": "mistral", "sliding_window": 16},
+           "qwen2": {**LLAMA, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16,
+                     "max_window_layers": 2}}
 # TP sums partial products in another order than one process; Adam's normalised update turns
 # that into up to ~1e-4 on a rare near-zero-gradient weight over 5 steps (as for the built-in
 # model; seen here: 1.3e-4 on 1 of 16384 GPT-2 c_fc weights). Losses are held to 1e-5.
@@ -61,6 +66,19 @@ def test_stageable_model_is_transformers_forward_and_exports_to_from_pretrained(
         torch.testing.assert_close(value, weights[name], rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("family", SLIDING)
+def test_sliding_window_attention_is_transformers_forward(family):
+    """The window is in the mask: logits equal transformers' own forward at every position,
+    including those past the window (without the mask they differed by 0.26 from position 16)."""
+    spec = HFSpec(load_hf_config(None, SLIDING[family]), None, seed=3)
+    model = build_model(spec, 3).eval()
+    reference = transformers.AutoModelForCausalLM.from_config(spec.hf_config, attn_implementation="sdpa").eval()
+    reference.load_state_dict(to_hf_state_dict(spec.model_type, model.state_dict(), spec.tie_embeddings),
+                              strict=False)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens(seq=32)), reference(tokens(seq=32)).logits, rtol=0, atol=1e-5)
+
+
 def test_model_config_takes_its_shape_from_the_hf_config():
     cfg = config_from_dict({"model": {"hf_config": LLAMA}})
     m = cfg.model
@@ -78,22 +96,10 @@ def test_model_config_takes_its_shape_from_the_hf_config():
     ({"hf_config": {**LLAMA, "num_key_value_heads": 1}}, {"tp": 2}, r"must divide num_key_value_heads \(1\)"),
     ({"hf_config": LLAMA}, {"tp": 2, "sequence_parallel": True}, "implemented for the built-in model, not the Hugging Face"),
     ({"factory": "helpers.custom_model:build"}, {"tp": 2}, "model.factory_tp_plan"),
-    # The glue runs layers with no mask: a window shorter than train.seq_len (128) would be ignored.
-    ({"hf_config": {**LLAMA, "model_type": "mistral", "sliding_window": 16}}, {},
-     r"sliding-window attention \(sliding_window=16, on every layer\) shorter than train.seq_len \(128\)"),
-    ({"hf_config": {**LLAMA, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16,
-                    "max_window_layers": 2}}, {}, r"sliding_window=16, on \[2, 3\]"),
 ])
 def test_bad_model_configs_fail_early_and_name_the_fix(model, parallel, match):
     with pytest.raises(ConfigError, match=match):
         config_from_dict({"model": model, "parallel": {"dp": 1, **parallel}})
-
-
-def test_sliding_windows_no_shorter_than_the_sequence_are_accepted():
-    mistral = {**LLAMA, "model_type": "mistral", "sliding_window": 128}  # = train.seq_len: no effect
-    qwen2 = {**LLAMA, "model_type": "qwen2", "use_sliding_window": False, "sliding_window": 16}  # off
-    for hf_config in (mistral, qwen2):
-        assert config_from_dict({"model": {"hf_config": hf_config}}).train.seq_len == 128
 
 
 # -- parity against one process -------------------------------------------------------------------
@@ -119,6 +125,13 @@ def test_hf_model_matches_single_process(family, layout, group2, tiny_cfg):
     process, and the final weights the same."""
     cfg = hf_run(tiny_cfg, {"preset": None, "hf_config": FAMILIES[family]}, LAYOUTS[layout])
     check_parity(cfg, group2, weight_atol=WEIGHT_ATOL)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sliding_window_mistral_matches_single_process(layout, group2, tiny_cfg):
+    """Window 16 < seq_len 32: the masks hold under ZeRO-3, on every pipeline stage and under TP."""
+    check_parity(hf_run(tiny_cfg, {"hf_config": SLIDING["mistral"]}, LAYOUTS[layout]), group2,
+                 weight_atol=WEIGHT_ATOL)
 
 
 def test_factory_module_under_dp_zero3_pp_and_tp(group2, tiny_cfg):

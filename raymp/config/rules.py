@@ -15,12 +15,9 @@ CPU_OFFLOAD_ON_CPU = (
 def check_run(cfg) -> None:
     """Cross-section checks. Each raises with the offending field's dotted name and a fix. The
     layout's own rules are raymp.layout's; they are asked here, not restated."""
-    from raymp.models.hf import load_hf_config, unsupported_attention
     from raymp.models.shape import TOKENIZER_VOCAB, model_shape
 
     p, m, t = cfg.parallel, cfg.model, cfg.train
-    if m.is_hf and (problem := unsupported_attention(load_hf_config(m.hf, m.hf_config), t.seq_len)):
-        raise ValueError(problem)
     tokenizer = cfg.data.tokenizer
     p.layout.check(model_shape(m, TOKENIZER_VOCAB.get(tokenizer), tokenizer), t.global_batch_size, t.seq_len)
     devices = cfg.resources.devices

@@ -114,27 +114,12 @@ def tensor_parallel_dims(cfg) -> dict[str, int]:
             "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size}
 
 
-def unsupported_attention(cfg, seq_len: int) -> str:
-    """Why raymp cannot train this config's attention at `seq_len` exactly as transformers does,
-    or ''. The glue runs the decoder layers causal with no mask, so a sliding window shorter than
-    the sequence would be silently ignored: it is refused instead."""
-    window = getattr(cfg, "sliding_window", None)
-    types = getattr(cfg, "layer_types", None) or []
-    slides = "sliding_attention" in types or (cfg.model_type == "mistral" and window is not None)
-    if slides and window is not None and window < seq_len:
-        layers = [i for i, t in enumerate(types) if t == "sliding_attention"] or "every layer"
-        return (f"the {cfg.model_type} config has sliding-window attention (sliding_window={window}, on "
-                f"{layers}) shorter than train.seq_len ({seq_len}), which raymp does not implement yet: "
-                f"lower train.seq_len to {window} or less, or set sliding_window to null in the model's config")
-    return ""
-
-
 # -- the stageable shape ------------------------------------------------------------------------
 
 
 class LlamaLikeLM(nn.Module):
-    """Llama, Qwen2, Mistral: embed_tokens -> decoder layers (RoPE tables computed once per
-    forward and handed to each, as LlamaModel does) -> norm -> lm_head."""
+    """Llama, Qwen2, Mistral: embed_tokens -> decoder layers (RoPE tables and attention masks
+    computed once per forward and handed to each, as LlamaModel does) -> norm -> lm_head."""
 
     def __init__(self, hf_model):
         super().__init__()
@@ -144,17 +129,35 @@ class LlamaLikeLM(nn.Module):
         self.norm = inner.norm
         self.output = hf_model.lm_head
         self.rotary = inner.rotary_emb
+        self.hf_config = config = hf_model.config
+        # Which attention each layer (by its global index: a pipeline stage keeps its own) runs:
+        # Qwen2 says per layer; Mistral slides on every layer when it has a window.
+        sliding = "sliding_attention" if config.model_type == "mistral" and config.sliding_window else "full_attention"
+        self.layer_types = list(getattr(config, "layer_types", None) or [sliding] * len(inner.layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         rope = self.rotary(h, positions)
-        # No mask: transformers' SDPA attention is causal when given none.
-        for layer in self.layers.values():
-            h = layer(h, position_embeddings=rope, position_ids=positions)
+        masks = self._masks(h, positions)
+        for index, layer in self.layers.items():
+            h = layer(h, attention_mask=masks[self.layer_types[int(index)]], position_embeddings=rope,
+                      position_ids=positions)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
+
+    def _masks(self, h: torch.Tensor, positions: torch.Tensor) -> dict:
+        """By layer type: None for full attention (transformers' SDPA attention is causal when
+        given no mask), and transformers' own sliding-window mask where layers slide."""
+        masks = {"full_attention": None}
+        if "sliding_attention" in self.layer_types:
+            from transformers.masking_utils import create_sliding_window_causal_mask
+
+            masks["sliding_attention"] = create_sliding_window_causal_mask(
+                config=self.hf_config, inputs_embeds=h, attention_mask=None, past_key_values=None,
+                position_ids=positions)
+        return masks
 
 
 class FusedQKV(nn.Module):
