@@ -40,17 +40,15 @@ class Trainer:
         """`worker_cls` replaces the Worker class of the groups the trainer builds (fault tests
         inject failing storage this way and still get elastic restarts)."""
         self._config = as_config(config, overrides)
-        self._shared_group, self._worker_cls = actor_group, worker_cls
+        self._shared_group, self._worker_cls, self._resume_position = actor_group, worker_cls, data_position
+        self.progress_enabled, self._ready, self.history = progress, False, []
+        # Built by setup(): the data feed, the current actors (session), the elastic controller.
+        self.feed: DataFeed | None = None
         self.session: Session | None = None
-        self.progress_enabled = progress
-        self.history: list[dict] = []
-        self.tracking: RunTracking | NoTracking = NoTracking()  # the MLflow hooks
+        self.elastic: ElasticController | None = None
         self.run_name = self.config.tracking.run_name or _default_run_name(self.config)
         self.run_dir = Path(self.config.output_dir) / self.run_name
-        self._ready = False
-        self._resume_position = data_position
-        self.elastic: ElasticController | None = None
-        self.feed: DataFeed | None = None
+        self.tracking: RunTracking | NoTracking = NoTracking()  # the MLflow hooks
         # on_event(name, info): ("placed", bundle nodes) while a group is being built, ("step",
         # steps done) between steps. Runs on the training thread, which waits for it to return:
         # scripted faults (tests, cluster/local_cluster.py) happen at an exact point of the run.
@@ -99,7 +97,7 @@ class Trainer:
         launcher = Launcher(self.feed, self.lineage, self.device, say, shared_group=self._shared_group,
                             worker_cls=self._worker_cls)
         launcher.on_event = lambda name, info: self.on_event(name, info) if self.on_event else None
-        self.session = Session(cfg, launcher, say, lambda step: self.tracking.on_commit(step), self._restarted)
+        self.session = Session(cfg, launcher, say, self.run_name, self.tracking, self._restarted)
         self.elastic = ElasticController(
             self.session, FailurePolicy(cfg.elastic, self._shared_group is not None),
             ScalingPolicy(lay.dp, self.device, self.feed.node, cfg.elastic.grow_back), say)
@@ -110,8 +108,9 @@ class Trainer:
         self.num_params = num_params(self.config, self.data.vocab_size)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(resolved_dict(self.config), sort_keys=False))
         if cfg.tracking.enabled:
-            self.tracking = RunTracking.start(self.config, self.run_name, self.session, self.device, self.num_params,
-                                              resume, self.lineage.id, self.global_step, self.feed.params())
+            self.tracking = self.session.tracking = RunTracking.start(
+                self.config, self.run_name, self.session, self.device, self.num_params, resume, self.lineage.id,
+                self.global_step, self.feed.params())
         self._ready = True
         return self
 
@@ -154,7 +153,7 @@ class Trainer:
         if self.feed.eval_batches and ((t.eval_every and (step + 1) % t.eval_every == 0) or step + 1 == t.steps):
             metrics["val_loss"] = self.evaluate()
         self.history.append(metrics)
-        if self.session.after_step(reports, self.global_step, self._checkpoint_meta, metrics,
+        if self.session.after_step(reports, self.global_step, metrics,
                                    lambda: self.elastic.scaling.grow_to(self.config) is not None):
             self.elastic.grow()  # from the checkpoint just committed
         self.tracking.on_step(metrics)
@@ -198,14 +197,11 @@ class Trainer:
 
     # -- checkpoints --------------------------------------------------------------------------
 
-    def _checkpoint_meta(self) -> dict:
-        return self.session.checkpoint_meta(self.run_name, self.tracking.record())
-
     def save_checkpoint(self) -> Checkpoint:
         """Write a checkpoint of the state after the steps done so far, and wait until it is
         committed (fit() saves every checkpoint.every steps by itself)."""
         self.setup()
-        return self.session.save_now(self.global_step, self._checkpoint_meta())
+        return self.session.save_now(self.global_step)
 
     def load_checkpoint(self, checkpoint: str | Checkpoint) -> None:
         """Continue from a committed checkpoint (saved under any layout): weights, optimizer

@@ -18,11 +18,12 @@ from raymp.version import __version__
 
 
 class Session:
-    def __init__(self, config: RunConfig, launcher: Launcher, say, on_commit, on_restart):
-        """`on_commit(step)`: a checkpoint of `step` committed. `on_restart(event)`: the run was
-        relaunched (after a failure, or growing back) and resumes at event["resumed_step"]."""
-        self.config, self.launcher, self.say = config, launcher, say
-        self._on_commit, self._on_restart = on_commit, on_restart
+    def __init__(self, config: RunConfig, launcher: Launcher, say, run_name: str, tracking, on_restart):
+        """`tracking`: the run's tracking hooks (a commit makes steps final; a checkpoint records
+        the MLflow run). `on_restart(event)`: the run was relaunched (after a failure, or growing
+        back) and resumes at event["resumed_step"]."""
+        self.config, self.launcher, self.say, self.run_name = config, launcher, say, run_name
+        self.tracking, self._on_restart = tracking, on_restart
         self.group: ActorGroup | None = None
         self.checkpoints: CheckpointCoordinator | None = None
         self.setup_info: list[dict] = []  # per rank: coords, stages, parameters, setup_peak_bytes
@@ -38,7 +39,7 @@ class Session:
         self.setup_info, self.memory_estimate = launched.setup_info, launched.memory_estimate
         c = self.config.checkpoint
         self.checkpoints = CheckpointCoordinator(self.launcher.lineage, c.every, c.async_save, self.say,
-                                                 c.write_timeout_s, on_commit=self._on_commit)
+                                                 c.write_timeout_s, on_commit=lambda step: self.tracking.on_commit(step))
         return launched.restored
 
     # -- calls on every rank -----------------------------------------------------------------
@@ -101,18 +102,19 @@ class Session:
 
     # -- checkpoints --------------------------------------------------------------------------
 
-    def checkpoint_meta(self, run_name: str, mlflow: dict | None) -> dict:
+    def checkpoint_meta(self) -> dict:
         """What a commit marker records besides its files and lineage."""
         meta = {"data_position": self.launcher.feed.position().to_dict(),
-                "layout": self.config.parallel.layout.record(), "run_name": run_name,
+                "layout": self.config.parallel.layout.record(), "run_name": self.run_name,
                 "config": resolved_dict(self.config), "raymp_version": __version__}
+        mlflow = self.tracking.record()
         return {**meta, "mlflow": mlflow} if mlflow else meta
 
-    def after_step(self, reports: list, steps_done: int, meta, metrics: dict, wants_to_grow) -> bool:
+    def after_step(self, reports: list, steps_done: int, metrics: dict, wants_to_grow) -> bool:
         """Commit what the ranks finished writing and start the save due now. True when the
         run should grow back now: it wants to (`wants_to_grow()`) and that save just committed."""
         started = self.checkpoints.after_step(self.group, [r.checkpoint for r in reports], steps_done,
-                                              self.config.train.steps, meta, metrics)
+                                              self.config.train.steps, self.checkpoint_meta, metrics)
         if not (started and self.launcher.shared_group is None and wants_to_grow()):
             return False
         if (grown_from := self.checkpoints.finish(self.group)) is None:
@@ -133,9 +135,9 @@ class Session:
         feed.start_streams(self.group, self.config.parallel.layout, self.config,
                            feed.checked(position, self.config.train.steps))
 
-    def save_now(self, steps_done: int, meta: dict) -> Checkpoint:
+    def save_now(self, steps_done: int) -> Checkpoint:
         """Save the state after `steps_done` steps and wait for its commit."""
-        self.checkpoints.start(self.group, steps_done, meta)
+        self.checkpoints.start(self.group, steps_done, self.checkpoint_meta())
         checkpoint = self.checkpoints.finish(self.group)
         if checkpoint is None:
             raise RuntimeError(f"the checkpoint of step {steps_done} was not committed: "
