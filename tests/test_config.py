@@ -108,6 +108,10 @@ def test_missing_file_and_bad_yaml(tmp_path):
     scalar.write_text("42\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_config(scalar)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(bytes(range(256)))
+    with pytest.raises(ConfigError, match="not a text file"):
+        load_config(binary)
 
 
 def test_malformed_override():
