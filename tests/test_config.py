@@ -119,3 +119,8 @@ def test_malformed_override():
         config_from_dict({}, ["parallel.dp"])
     with pytest.raises(ConfigError, match="is a value, not a section"):
         config_from_dict({"seed": 1}, ["seed.x=1"])
+
+
+def test_a_tokenizer_that_cannot_be_imported_is_refused_at_config_time():
+    with pytest.raises(ConfigError, match=r"data.tokenizer 'no_such_module:Thing': cannot load"):
+        config_from_dict({"data": {"tokenizer": "no_such_module:Thing"}})

@@ -81,3 +81,13 @@ def test_dead_actor_stops_the_run_with_a_clear_error_not_a_hang(ray_local, tiny_
         assert err.value.step == 1
     finally:
         group.shutdown()
+
+
+def test_cuda_asked_of_a_cluster_without_gpus_is_one_config_error(ray_local):
+    from raymp.config import ConfigError
+    from raymp.runtime.cluster import resolve_device
+
+    with pytest.raises(ConfigError, match=r"resources.device=cuda needs a GPU for each of the 2 actors, but the "
+                                          r"cluster has 0; set resources.device=cpu"):
+        resolve_device("cuda", 2)
+    assert resolve_device("auto", 2) == "cpu"

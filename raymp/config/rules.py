@@ -18,6 +18,10 @@ def check_run(cfg) -> None:
     from raymp.models.shape import TOKENIZER_VOCAB, model_shape
 
     p, m, t = cfg.parallel, cfg.model, cfg.train
+    if ":" in cfg.data.tokenizer:  # your own: importable now, not only when the data is prepared
+        from raymp.data.tokenizers import get_tokenizer
+
+        get_tokenizer(cfg.data.tokenizer)
     tokenizer = cfg.data.tokenizer
     p.layout.check(model_shape(m, TOKENIZER_VOCAB.get(tokenizer), tokenizer), t.global_batch_size, t.seq_len)
     devices = cfg.resources.devices

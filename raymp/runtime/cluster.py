@@ -33,9 +33,12 @@ def resolve_device(requested: str, world_size: int, cpu_offload: bool = False) -
 
     from raymp.config import CPU_OFFLOAD_ON_CPU, ConfigError
 
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if requested == "cuda" and gpus < world_size:
+        raise ConfigError(f"resources.device=cuda needs a GPU for each of the {world_size} actors, but the "
+                          f"cluster has {gpus:g}; set resources.device=cpu (or auto), or add GPU nodes")
     if requested != "auto":
         return requested
-    gpus = ray.cluster_resources().get("GPU", 0)
     if gpus < world_size and cpu_offload:
         raise ConfigError(CPU_OFFLOAD_ON_CPU + " (resources.device=auto found no GPUs)")
     return "cuda" if gpus >= world_size else "cpu"
