@@ -52,10 +52,14 @@ def check_run(cfg) -> None:
             "precision fp16 runs at ~1 GFLOP/s on CPU and needs loss scaling; use precision=bf16 "
             "(or set resources.device=cuda on GPUs)"
         )
-    if m.vocab_size is not None and cfg.data.tokenizer == "gpt2" and m.vocab_size < 50257:
-        raise ValueError(
-            f"model.vocab_size ({m.vocab_size}) is smaller than the gpt2 tokenizer's 50257 tokens; "
-            "leave model.vocab_size unset to take it from the tokenizer"
-        )
-    if m.vocab_size is not None and cfg.data.tokenizer == "byte" and m.vocab_size < 256:
-        raise ValueError(f"model.vocab_size ({m.vocab_size}) must be >= 256 for the byte tokenizer")
+    if problem := vocab_too_small(m.vocab_size, tokenizer, TOKENIZER_VOCAB.get(tokenizer)):
+        raise ValueError(problem)
+
+
+def vocab_too_small(model_vocab: int | None, tokenizer: str, tokenizer_vocab: int | None) -> str:
+    """Why model.vocab_size cannot hold the tokenizer's ids, or ''. Asked at config time for the
+    built-in tokenizers, and by the driver once the data names the tokenizer's real vocabulary."""
+    if model_vocab is None or tokenizer_vocab is None or model_vocab >= tokenizer_vocab:
+        return ""
+    return (f"model.vocab_size ({model_vocab}) is smaller than the {tokenizer} tokenizer's {tokenizer_vocab} "
+            "tokens; leave model.vocab_size unset to take it from the tokenizer")

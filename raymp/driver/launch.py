@@ -105,7 +105,7 @@ def num_params(cfg: RunConfig, vocab_size: int) -> int:
 
 
 def check_vocab(cfg: RunConfig, feed: DataFeed) -> None:
-    if cfg.model.vocab_size is not None and cfg.model.vocab_size < feed.data.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the {feed.data.tokenizer} "
-            f"tokenizer's {feed.data.vocab_size} tokens; leave it unset to take it from the tokenizer")
+    from raymp.config.rules import vocab_too_small
+
+    if problem := vocab_too_small(cfg.model.vocab_size, feed.data.tokenizer, feed.data.vocab_size):
+        raise ConfigError(problem)

@@ -37,6 +37,7 @@ class Session:
         launched = self.launcher.launch(self.config, position)
         self.group, self.config = launched.group, launched.config
         self.setup_info, self.memory_estimate = launched.setup_info, launched.memory_estimate
+        self._step_constants = self._per_step_constants()
         c = self.config.checkpoint
         self.checkpoints = CheckpointCoordinator(self.launcher.lineage, c.every, c.async_save, self.say,
                                                  c.write_timeout_s, on_commit=lambda step: self.tracking.on_commit(step))
@@ -44,23 +45,27 @@ class Session:
 
     # -- calls on every rank -----------------------------------------------------------------
 
-    def run_step(self, step: int) -> tuple[list, dict]:
-        """One optimizer step on every rank: (the ranks' reports, the step's metrics)."""
+    def _per_step_constants(self) -> tuple[float, float | None, float]:
+        """What every step's metrics divide by, fixed for a launch: the model FLOPs of a step, the
+        device's peak, the planner's largest per-rank estimate."""
         from raymp.models import model_args
         from raymp.planner import step_flops
 
-        cfg, device = self.config, self.launcher.device
+        cfg, t = self.config, self.config.train
+        flops = step_flops(model_args(cfg.model, self.launcher.feed.data.vocab_size), t.global_batch_size, t.seq_len)
+        estimate = max(e.model_state_bytes + e.activation_bytes for e in self.memory_estimate)
+        return flops, peak_tflops(cfg, self.launcher.device), estimate
+
+    def run_step(self, step: int) -> tuple[list, dict]:
+        """One optimizer step on every rank: (the ranks' reports, the step's metrics)."""
+        cfg = self.config
         t0 = time.perf_counter()
         try:
             reports = self.group.call("train_step", step, timeout_s=cfg.elastic.step_timeout_s)
         except WorkerLostError as lost:
             raise WorkerLostError(f"step {step}: {lost}", lost.rank, lost.kind, step) from lost
         step_time = time.perf_counter() - t0
-        t = cfg.train
-        flops = step_flops(model_args(cfg.model, self.launcher.feed.data.vocab_size), t.global_batch_size, t.seq_len)
-        estimate = max(e.model_state_bytes + e.activation_bytes for e in self.memory_estimate)
-        return reports, step_metrics(step, reports, cfg.parallel.layout, cfg, step_time, flops,
-                                     peak_tflops(cfg, device), estimate)
+        return reports, step_metrics(step, reports, cfg.parallel.layout, cfg, step_time, *self._step_constants)
 
     def evaluate(self) -> float:
         losses = [x for x in self.group.call("evaluate") if x is not None]
