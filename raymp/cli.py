@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 
 import yaml
@@ -109,16 +108,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             print(yaml.safe_dump(resolved_dict(cfg), sort_keys=False), end="")
             return 0
+        from raymp.driver.stopping import stop_on_sigterm
         from raymp.trainer import Trainer
 
         if args.command == "timeline":
             return _timeline(cfg, args)
         with Trainer(cfg, progress=not args.no_progress) as trainer:
             trainer.setup()
-            # `ray job stop` sends SIGTERM: end like Ctrl-C, so the MLflow run is marked KILLED
-            # and the actors are released. Installed after Ray connects: ray.init puts its own
-            # SIGTERM handler in place, which would kill the driver mid-step.
-            signal.signal(signal.SIGTERM, _interrupt)
+            stop_on_sigterm()  # after Ray connects (see there)
             trainer.fit()
         return 0
     except (ConfigError, DataError, PlacementError, WorkerLostError, ElasticError, CheckpointError) as exc:
@@ -205,10 +202,6 @@ def _checkpoint(args) -> int:
     print(f"exported step {info['step']} of {path}: {info['tensors']} tensors, "
           f"{info['parameters'] / 1e6:.2f}M parameters, {info['bytes'] / 2**20:.1f} MiB -> {info['path']}")
     return 0
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 def _plan(args) -> int:

@@ -180,7 +180,7 @@ class Trainer:
             status = "FINISHED"
         except KeyboardInterrupt:
             status = "KILLED"
-            self.session.commit_in_flight(best_effort=True)  # `ray job stop`: keep the save in flight
+            self.session.commit_on_stop()
             raise
         finally:
             bar.close()

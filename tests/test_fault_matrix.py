@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -159,6 +160,86 @@ def test_storage_slower_than_write_timeout_gives_the_save_up(data_cache, tmp_pat
         group.shutdown()
     check_against_reference(history, ref, range(STEPS))
     assert "still writing after 1s (checkpoint.write_timeout_s)" in capsys.readouterr().out
+
+
+# -- stopping keeps the save in flight ------------------------------------------------------------
+
+
+def _signal_after(trainer, steps: int, signum: int) -> None:
+    """The driver signals itself once `steps` steps are done, from the step hook: the save the
+    last step started is in flight, written or not, and not yet committed."""
+    def on_event(name, info):
+        if name == "step" and info["done"] == steps:
+            os.kill(os.getpid(), signum)
+
+    trainer.on_event = on_event
+
+
+def _stop_after_4(cfg, group, signum) -> list[dict]:
+    """Train until the signal after step 4; the steps done. The SIGTERM handler is the CLI's."""
+    from raymp.driver.stopping import stop_on_sigterm
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with Trainer(cfg, actor_group=group) as t:
+            t.setup()
+            stop_on_sigterm()
+            _signal_after(t, 4, signum)
+            with pytest.raises(KeyboardInterrupt):
+                t.fit()
+            return list(t.history)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _resume_matches_reference(cfg, group, done: list[dict], ref) -> None:
+    with Trainer(cfg, actor_group=group, progress=False) as t:
+        assert t.setup().global_step == 4  # from the checkpoint committed at the stop
+        rest = t.fit()
+    check_against_reference(done + rest, ref, range(STEPS))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "ctrl-c"])
+def test_stop_commits_the_save_in_flight(signum, ref, data_cache, tmp_path, group2, capsys):
+    """Issue: stopped jobs left step 4's shards and index on storage without the commit marker."""
+    cfg = matrix_cfg(tmp_path, data_cache)
+    done = _stop_after_4(cfg, group2, signum)
+    assert [c.step for c in CheckpointStore(str(tmp_path / "checkpoints")).committed()] == [2, 4]
+    out = capsys.readouterr().out
+    assert "stopped: the checkpoint of step 4 was committed; the latest committed checkpoint is step 4" in out
+    _resume_matches_reference(cfg, group2, done, ref)
+
+
+@pytest.mark.timeout(240)
+def test_second_sigterm_while_committing_is_held_and_a_slow_write_is_waited_for(
+        ref, data_cache, tmp_path, group2, capsys, monkeypatch):
+    """Storage still writing step 4 when the stop comes, and the signal repeated during the commit
+    (as a supervisor or an impatient person does): the write is waited for and committed."""
+    from helpers.ckpt_workers import SlowStorageWorker
+    from raymp.checkpoint.coordinator import CheckpointCoordinator
+
+    stop = CheckpointCoordinator.stop
+
+    def stop_signalled_again(self, group):
+        assert not self.store.has_index(4)  # the slow path: the ranks are still writing
+        os.kill(os.getpid(), signal.SIGTERM)
+        return stop(self, group)
+
+    monkeypatch.setattr(CheckpointCoordinator, "stop", stop_signalled_again)
+    group = ActorGroup(2, "cpu", placement_timeout_s=60, collective_timeout_s=60, worker_cls=SlowStorageWorker)
+    try:
+        group.call("slow_writes_from", 4, 3.0)
+        cfg = matrix_cfg(tmp_path, data_cache)
+        done = _stop_after_4(cfg, group, signal.SIGTERM)
+    finally:
+        group.shutdown()
+    out = capsys.readouterr().out
+    assert "SIGTERM received while committing the checkpoint of step 4; stopping once that is done" in out
+    assert "stopped: the checkpoint of step 4 was committed" in out
+    assert [c.step for c in CheckpointStore(str(tmp_path / "checkpoints")).committed()] == [2, 4]
+    monkeypatch.undo()
+    _resume_matches_reference(cfg, group2, done, ref)
 
 
 # -- lineage: what a restart resumes from ---------------------------------------------------------

@@ -152,6 +152,9 @@ def test_submit_follow_stop_and_check_mlflow(ray_head, tmp_path, data_cache):
 
     kept = CheckpointStore(str(ckpt)).latest()
     assert kept is not None and kept.step >= 2 and kept.step % 2 == 0
+    # The save in flight at the stop was committed: no written checkpoint lacks its marker.
+    written = [d.name for d in ckpt.iterdir() if (d / ".metadata").exists()]
+    assert all((ckpt / name / "raymp.json").exists() for name in written), written
     assert kept.meta["mlflow"]["run_id"] == runs["KILLED"].info.run_id
     weights, _ = consolidated_weights(kept.path)
     assert "tok_embeddings.weight" in weights

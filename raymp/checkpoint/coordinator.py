@@ -106,6 +106,22 @@ class CheckpointCoordinator:
             return None
         return self.collect(reports)
 
+    def stop(self, group) -> tuple[int | None, Checkpoint | None]:
+        """The run is stopping (Ctrl-C, SIGTERM, `ray job stop`, which sends SIGKILL 3 s later by
+        default): commit the save in flight as soon as that is safe. Once DCP's index is on
+        storage every rank's shards are: commit from storage, without waiting for ranks still busy
+        with the interrupted step. Otherwise wait for them (checkpoint.write_timeout_s). Returns
+        (the step of the save in flight, its commit or None)."""
+        if self.pending is None:
+            return None, None
+        step = self.pending.step
+        if not self.store.has_index(step):
+            try:
+                return step, self.finish(group)
+            except Exception:  # the ranks are gone or failing: what storage holds decides
+                pass
+        return self.abandon()
+
     def abandon(self) -> tuple[int | None, Checkpoint | None]:
         """The ranks of the save in flight are gone. If DCP's index (.metadata) is on storage,
         every rank's shards were written before the loss (DCP's coordinator writes it only after

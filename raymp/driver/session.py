@@ -13,6 +13,7 @@ from raymp.config import RunConfig, resolved_dict
 from raymp.driver.launch import Launcher
 from raymp.elastic import with_dp
 from raymp.driver.metrics import peak_tflops, step_metrics
+from raymp.driver.stopping import stop_signals_held
 from raymp.runtime.actor_group import ActorGroup, WorkerLostError
 from raymp.version import __version__
 
@@ -150,12 +151,29 @@ class Session:
         return checkpoint
 
     def commit_in_flight(self, best_effort: bool = False) -> None:
-        """Commit the save in flight. A save that fails is reported (checkpoint.failed, a log
-        line) and never fails a run whose steps all finished."""
-        if self.group is None or self.checkpoints is None or self.checkpoints.pending is None:
+        """Commit the save in flight at the end of the run. A save that fails is reported
+        (checkpoint.failed, a log line) and never fails a run whose steps all finished.
+        `best_effort` (closing after an error): commit what storage holds whole, never raise."""
+        if self.checkpoints is None or self.checkpoints.pending is None:
             return
-        try:
+        if not best_effort:
             self.checkpoints.finish(self.group)
-        except Exception:
-            if not best_effort:
-                raise
+            return
+        step = self.checkpoints.pending.step
+        try:
+            self.checkpoints.stop(self.group)
+        except Exception as exc:  # closing after an error: that error is the one to show
+            self.say(f"checkpoint: the save of step {step} was not committed: {exc}")
+
+    def commit_on_stop(self) -> None:
+        """The run was stopped (Ctrl-C, SIGTERM, `ray job stop`): commit the save in flight, with
+        further stop signals held until it is done, and say what was kept."""
+        if self.checkpoints is None or self.checkpoints.pending is None:
+            return
+        step = self.checkpoints.pending.step
+        with stop_signals_held(self.say, f"committing the checkpoint of step {step}"):
+            _, committed = self.checkpoints.stop(self.group)
+        latest = self.checkpoints.store.latest()
+        self.say(f"stopped: the checkpoint of step {step} " + ("was committed" if committed else
+                 "was still being written and is not kept") + "; the latest committed checkpoint is "
+                 + (f"step {latest.step}: {latest.path}" if latest else "none"))
