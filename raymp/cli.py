@@ -147,10 +147,11 @@ def _prepare_data(args) -> int:
 def _runs(args) -> int:
     from raymp.config import load_config
     from raymp.runs import compare_runs, format_rows, list_runs
-    from raymp.tracking import default_tracking_uri
+    from raymp.tracking_store import check_tracking_store, tracking_uri
 
     cfg = load_config(args.config, args.overrides)
-    uri = args.tracking_uri or cfg.tracking.tracking_uri or default_tracking_uri(cfg.output_dir)
+    uri = args.tracking_uri or tracking_uri(cfg)
+    check_tracking_store(uri, cfg.tracking.connect_timeout_s, reading=True)
     experiment = args.experiment or cfg.tracking.experiment
     if args.compare:
         print(compare_runs(uri, experiment, args.compare))

@@ -12,17 +12,16 @@ checkpoint.every steps for it. A run without checkpoints logs at once (a restart
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
 from raymp.config import RunConfig, flatten, resolved_dict
+from raymp.logs import MLFLOW_DB_SETUP, quiet_loggers
+from raymp.tracking_store import tracking_uri
 
 # MLflow limits per log_batch call.
 _MAX_METRICS, _MAX_PARAMS = 1000, 100
-
-
-def default_tracking_uri(output_dir: str) -> str:
-    return f"sqlite:///{Path(output_dir).resolve() / 'mlflow.db'}"
 
 
 class RunTracker:
@@ -33,10 +32,11 @@ class RunTracker:
                  provisional: bool = False):
         from mlflow.tracking import MlflowClient
 
-        self.uri = cfg.tracking.tracking_uri or default_tracking_uri(cfg.output_dir)
+        self.uri = tracking_uri(cfg)
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-        self.client = MlflowClient(tracking_uri=self.uri)
-        exp = self.client.get_experiment_by_name(cfg.tracking.experiment)
+        with quiet_loggers(*MLFLOW_DB_SETUP, level=logging.WARNING):  # creating a new database
+            self.client = MlflowClient(tracking_uri=self.uri)
+            exp = self.client.get_experiment_by_name(cfg.tracking.experiment)
         if exp is not None:
             self.experiment_id = exp.experiment_id
         else:

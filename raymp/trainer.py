@@ -24,7 +24,7 @@ from raymp.data import DataPosition
 from raymp.driver.feed import DataFeed
 from raymp.driver.launch import Launcher, as_config, check_vocab, num_params
 from raymp.driver.session import Session
-from raymp.driver.run_setup import open_lineage, said_resume
+from raymp.driver.run_setup import check_destinations, open_lineage, removed_if_setup_fails, said_resume
 from raymp.driver.summary import describe, memory_rows, summary
 from raymp.driver.tracking_hooks import NoTracking, RunTracking
 from raymp.elastic.controller import ElasticController, FailurePolicy, ScalingPolicy
@@ -49,9 +49,8 @@ class Trainer:
         self.run_name = self.config.tracking.run_name or _default_run_name(self.config)
         self.run_dir = Path(self.config.output_dir) / self.run_name
         self.tracking: RunTracking | NoTracking = NoTracking()  # the MLflow hooks
-        # on_event(name, info): ("placed", bundle nodes) while a group is being built, ("step",
-        # steps done) between steps. Runs on the training thread, which waits for it to return:
-        # scripted faults (tests, cluster/local_cluster.py) happen at an exact point of the run.
+        # on_event(name, info): ("placed", bundle nodes), ("step", steps done), on the training thread,
+        # which waits for it: scripted faults (tests, local_cluster.py) happen at an exact point.
         self.on_event = None
         self._say = self._log
         self.last_pipeline_events, self._last_pipeline_step = None, None  # the last step's, for timeline()
@@ -86,22 +85,23 @@ class Trainer:
             return self
         cfg = self.config
         lay = cfg.parallel.layout
+        check_destinations(cfg)
         # One CPU beyond the actors' for the Ray Data tasks that prepare and stream the data.
         connect(cfg.resources.address, lay.world_size * cfg.resources.cpus_per_actor + 1)
         self.feed = DataFeed(cfg, self._log)
         check_vocab(cfg, self.feed)
         self.device = resolve_device(cfg.resources.device, lay.world_size, cfg.optimizer.cpu_offload)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.lineage = open_lineage(cfg, self.run_dir, self._log, self._resume_position)
-        say = lambda *a: self._say(*a)  # noqa: E731 (fit() moves the printing to its progress bar)
-        launcher = Launcher(self.feed, self.lineage, self.device, say, shared_group=self._shared_group,
-                            worker_cls=self._worker_cls)
-        launcher.on_event = lambda name, info: self.on_event(name, info) if self.on_event else None
-        self.session = Session(cfg, launcher, say, self.run_name, self.tracking, self._restarted)
-        self.elastic = ElasticController(
-            self.session, FailurePolicy(cfg.elastic, self._shared_group is not None),
-            ScalingPolicy(lay.dp, self.device, self.feed.node, cfg.elastic.grow_back), say)
-        self.resumed_from = resume = self.session.launch(self._resume_position)
+        with removed_if_setup_fails(self.run_dir):
+            self.lineage = open_lineage(cfg, self.run_dir, self._log, self._resume_position)
+            say = lambda *a: self._say(*a)  # noqa: E731 (fit() moves the printing to its progress bar)
+            launcher = Launcher(self.feed, self.lineage, self.device, say, shared_group=self._shared_group,
+                                worker_cls=self._worker_cls)
+            launcher.on_event = lambda name, info: self.on_event(name, info) if self.on_event else None
+            self.session = Session(cfg, launcher, say, self.run_name, self.tracking, self._restarted)
+            self.elastic = ElasticController(
+                self.session, FailurePolicy(cfg.elastic, self._shared_group is not None),
+                ScalingPolicy(lay.dp, self.device, self.feed.node, cfg.elastic.grow_back), say)
+            self.resumed_from = resume = self.session.launch(self._resume_position)
         if resume is not None:
             said_resume(resume, self.config, self._log)
         self.session.initial_position = self.feed.start if resume is None else None

@@ -32,7 +32,10 @@ def free_port() -> int:
 def ray_head():
     temp = tempfile.mkdtemp(prefix="rh", dir="/tmp")  # short: Ray's unix socket paths are limited
     port, dash = free_port(), free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": ""}
+    # As cluster/README.md says to start a head: `ray job stop` waits this long after SIGTERM before
+    # SIGKILL (3 s by default), room for the stopped run to commit its save and mark its MLflow run
+    # KILLED on a busy machine (at 3 s, CI once found the run still RUNNING).
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": "", "RAY_JOB_STOP_WAIT_TIME_S": "60"}
     env.pop("PYTHONPATH", None)  # the client job runs with the cluster's environment, not this one
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", f"--temp-dir={temp}", f"--port={port}",

@@ -196,6 +196,7 @@ class TrackingConfig(_Strict):
     run_name: str | None = None
     tracking_uri: str | None = Field(None, description="None: sqlite store under output_dir")
     flush_every: int = Field(10, ge=1, description="steps between batched MLflow writes")
+    connect_timeout_s: float = Field(10, gt=0, description="for a tracking server to answer at start")
     system_metrics: bool = Field(False, description="log CPU/GPU/memory/network (MLflow's psutil monitor)")
     system_metrics_interval_s: float = Field(10, gt=0, description="seconds between system-metric samples")
     resume_run_id: str | None = Field(

@@ -61,7 +61,11 @@ def prepare(source_name: str, *, tokenizer: str, seq_len: int, cache_dir: str, t
         f"with tokenizer {tok.name}, seq_len {seq_len} -> {root}")
     t0 = time.perf_counter()
     fs, path = filesystem_for(root)
-    fs.create_dir(path, recursive=True)
+    try:
+        fs.create_dir(path, recursive=True)
+    except OSError as exc:
+        raise DataError(f"data.cache_dir {cache_dir}: cannot create {root} ({exc}); set data.cache_dir to a "
+                        "place this user can write (a path or a URI)") from None
     packer = _ShardWriter(fs, path, seq_len + 1, shard_samples)
     skipped: Counter = Counter()
     examples: list[str] = []

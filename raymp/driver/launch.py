@@ -16,6 +16,7 @@ from raymp.driver.feed import DataFeed
 from raymp.models import model_args, model_spec
 from raymp.models.shape import model_shape
 from raymp.runtime.actor_group import ActorGroup
+from raymp.runtime.cluster import host_memory_problem
 
 
 def as_config(config: RunConfig | str | Path | dict, overrides: list[str] | None = None) -> RunConfig:
@@ -80,9 +81,14 @@ class Launcher:
         # The layout against the tokenizer's real vocabulary (config validation may not have known it).
         cfg.parallel.layout.check(model_shape(cfg.model, vocab, feed.data.tokenizer), cfg.train.global_batch_size,
                                   cfg.train.seq_len)
-        group = self.group_for(cfg)
         cfg = with_stage_split(cfg, vocab)
         lay, r = cfg.parallel.layout, cfg.resources
+        memory = estimate(model_args(cfg.model, vocab), lay, cfg.train.global_batch_size, cfg.train.seq_len,
+                          cfg.precision == "bf16")
+        if self.device == "cpu" and (problem := host_memory_problem([memory[lay.coords(r)["pp"]].total_bytes
+                                                                     for r in range(lay.world_size)])):
+            raise ConfigError(problem)
+        group = self.group_for(cfg)
 
         def set_up():
             # The validated config itself: the ranks do not validate it again.
@@ -95,8 +101,6 @@ class Launcher:
         start = feed.checked(position, cfg.train.steps) if position is not None else feed.first_position()
         feed.start_streams(group, lay, cfg, start)
         feed.send_eval_data(group, lay, cfg)
-        memory = estimate(model_args(cfg.model, vocab), lay, cfg.train.global_batch_size, cfg.train.seq_len,
-                          cfg.precision == "bf16")
         return Launched(group, cfg, restored, infos, memory)
 
 

@@ -3,16 +3,51 @@ checkpoints passed over, a rewind's abandoned timeline), and what a resume resto
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from pathlib import Path
 
 from raymp.checkpoint.lineage import Lineage, config_overrides
 from raymp.checkpoint.store import Checkpoint, CheckpointStore
-from raymp.config import RunConfig
+from raymp.config import ConfigError, RunConfig
 from raymp.layout import Layout
+from raymp.tracking_store import check_tracking_store, tracking_uri
+
+
+def check_destinations(cfg: RunConfig) -> None:
+    """Where the run will write, checked before anything starts, so a bad place fails in a second
+    with one line and leaves nothing behind: output_dir, and the tracking store."""
+    root = Path(cfg.output_dir).expanduser()
+    probe = root / f".raymp-write-probe-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"output_dir {cfg.output_dir} is not writable ({exc.strerror or exc}); set output_dir "
+                          "to a directory this user can write") from None
+    if cfg.tracking.enabled:
+        check_tracking_store(tracking_uri(cfg), cfg.tracking.connect_timeout_s)
+
+
+@contextmanager
+def removed_if_setup_fails(run_dir: Path):
+    """A set-up that fails (no room for the actors, a model too large) leaves no empty run
+    directory behind; whatever was written into it stays."""
+    try:
+        yield
+    except BaseException:
+        for directory in (run_dir / "checkpoints", run_dir):
+            try:
+                directory.rmdir()  # only ever removes an empty directory
+            except OSError:
+                pass
+        raise
 
 
 def open_lineage(cfg: RunConfig, run_dir: Path, log, data_position=None) -> Lineage:
     """The checkpoint.dir's lineage; `data_position` (a start without a checkpoint) only when it has none."""
+    run_dir.mkdir(parents=True, exist_ok=True)
     store = CheckpointStore(cfg.checkpoint.dir or str(run_dir / "checkpoints"), cfg.checkpoint.keep_last)
     if cfg.checkpoint.every:
         store.probe_writable()  # a read-only dir fails now, not at the first save

@@ -3,10 +3,9 @@ explicit address, or a fresh local instance sized for the run."""
 
 from __future__ import annotations
 
-import logging
 import os
 
-log = logging.getLogger(__name__)
+from raymp.logs import RAY_LOCAL_START, quiet_loggers
 
 
 def connect(address: str | None, min_cpus: float) -> None:
@@ -23,7 +22,8 @@ def connect(address: str | None, min_cpus: float) -> None:
     cpus = max(os.cpu_count() or 1, int(min_cpus + 0.999))
     # A Ray of its own, even while another instance runs on this machine (a plain ray.init()
     # would join that one, or refuse num_cpus).
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+    with quiet_loggers(*RAY_LOCAL_START):
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
 
 
 def resolve_device(requested: str, world_size: int, cpu_offload: bool = False) -> str:
@@ -42,3 +42,22 @@ def resolve_device(requested: str, world_size: int, cpu_offload: bool = False) -
     if gpus < world_size and cpu_offload:
         raise ConfigError(CPU_OFFLOAD_ON_CPU + " (resources.device=auto found no GPUs)")
     return "cuda" if gpus >= world_size else "cpu"
+
+
+def host_memory_problem(rank_bytes: list[float]) -> str | None:
+    """Ranks on CPU keep all their state in host memory. When the planner's per-rank estimate
+    cannot fit even in the largest node, or all ranks in the whole cluster, setting up can only
+    end in Ray's OOM kill a minute later: say so now. (A lower bound: placement is not known.)"""
+    import ray
+
+    gib = 2**30
+    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+    sizes = [r.get("memory", 0) + r.get("object_store_memory", 0) for r in nodes]
+    one, everything = max(rank_bytes), sum(rank_bytes)
+    if one <= max(sizes) and everything <= sum(sizes):
+        return None
+    return (f"the model does not fit in memory: the planner estimates {one / gib:,.1f} GiB per rank (model "
+            f"state, activations, buffers; {everything / gib:,.1f} GiB for all {len(rank_bytes)} ranks), but the "
+            f"largest node has {max(sizes) / gib:,.1f} GiB and the cluster {sum(sizes) / gib:,.1f} GiB; shard "
+            "it over more actors (parallel.zero=3, pp, tp), use a smaller model or parallel.micro_batch_size, "
+            "or add nodes (`raymp plan` ranks layouts by memory)")
