@@ -21,7 +21,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="path to a run config, e.g. configs/tiny.yaml")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config field, e.g. --set parallel.dp=2 (repeatable)")
-    train.add_argument("--no-progress", action="store_true", help="no progress output")
+    train.add_argument("--no-progress", action="store_true", help="no per-step output (the final summary is still printed)")
 
     timeline = sub.add_parser(
         "timeline", help="run a few pipeline steps and draw the last one (PNG + Chrome trace)"
@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             trainer.setup()
             stop_on_sigterm()  # after Ray connects (see there)
             trainer.fit()
+            if args.no_progress:  # the outcome and where it is recorded are not progress
+                print(trainer.summary())
         return 0
     except (ConfigError, DataError, PlacementError, WorkerLostError, ElasticError, CheckpointError) as exc:
         print(f"raymp: error: {exc}", file=sys.stderr)

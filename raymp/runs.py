@@ -8,7 +8,7 @@ import datetime as _dt
 from raymp.config import ConfigError
 
 COLUMNS = ("name", "run", "status", "layout", "steps", "loss", "val_loss", "tokens/s", "restarts", "started")
-COMPARED_METRICS = ("loss", "val_loss", "tokens_per_s", "step_time_s", "mfu", "model_tflops_per_device",
+COMPARED_METRICS = ("loss", "val_loss", "tokens_per_s_median", "tokens_per_s", "step_time_s", "mfu", "model_tflops_per_device",
                     "data_wait_fraction", "bubble_fraction", "peak_mem_mb_max", "restarts")
 
 
@@ -38,7 +38,7 @@ def list_runs(uri: str, experiment: str, limit: int = 50) -> list[dict]:
         rows.append({
             "name": run.info.run_name, "run": run.info.run_id, "status": run.info.status,
             "layout": tags.get("raymp.layout", "?"), "steps": steps, "loss": m.get("loss"),
-            "val_loss": m.get("val_loss"), "tokens/s": m.get("tokens_per_s"),
+            "val_loss": m.get("val_loss"), "tokens/s": m.get("tokens_per_s_median", m.get("tokens_per_s")),
             "restarts": int(tags.get("raymp.restarts", 0)),
             "started": _dt.datetime.fromtimestamp(run.info.start_time / 1000).strftime("%Y-%m-%d %H:%M"),
         })

@@ -112,6 +112,11 @@ def test_missing_file_and_bad_yaml(tmp_path):
     binary.write_bytes(bytes(range(256)))
     with pytest.raises(ConfigError, match="not a text file"):
         load_config(binary)
+    for text in ("", "# only a comment\n"):
+        empty = tmp_path / "empty.yaml"
+        empty.write_text(text)
+        with pytest.raises(ConfigError, match="empty.yaml: the file is empty; a run config sets at least one section"):
+            load_config(empty)
 
 
 def test_malformed_override():

@@ -25,6 +25,9 @@ def test_example_notebook_executes(tmp_path):
         os.environ.update(env_before)
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
+    # Clean: no warning a notebook user cannot act on (tqdm, ipywidgets, Ray's auth, ...).
+    streams = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert not [w for w in ("Warning", "WARNING", "warn(", "INFO") if w in streams], streams
     images = [o for o in outputs if "image/png" in o.get("data", {})]
     assert len(images) >= 2, "expected the loss plot and the timeline"
     # Progress: plain stream lines, or rich's rendering as display data inside Jupyter.

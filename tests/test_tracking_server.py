@@ -117,7 +117,7 @@ def test_runs_command_lists_and_compares(mlflow_server, two_runs, capsys):
                  "--compare", two_runs[0][:8], "server-b"]) == 0
     table = capsys.readouterr().out
     assert "param parallel.zero" in table and "param train.steps" not in table  # only what differs
-    assert "loss" in table and "tokens_per_s" in table
+    assert "loss" in table and "tokens_per_s_median" in table  # the throughput `raymp runs` shows
 
 
 def test_a_killed_run_is_resumed_by_run_id(mlflow_server, two_runs, group2, data_cache, tmp_path):

@@ -91,3 +91,24 @@ def test_cuda_asked_of_a_cluster_without_gpus_is_one_config_error(ray_local):
                                           r"cluster has 0; set resources.device=cpu"):
         resolve_device("cuda", 2)
     assert resolve_device("auto", 2) == "cpu"
+
+
+def test_no_progress_still_prints_the_outcome_and_the_mlflow_run(tiny_cfg, tmp_path, capsys):
+    """The command line in this process (its Ray is the session's): per-step lines off, the
+    summary and the MLflow run still printed."""
+    import signal
+
+    import yaml
+
+    from raymp.cli import main
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(tiny_cfg(train={"steps": 2, "global_batch_size": 8, "seq_len": 32},
+                                            tracking={"enabled": True})))
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        assert main(["train", str(path), "--no-progress"]) == 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    out = capsys.readouterr().out
+    assert "step     1/2" not in out and out.startswith("done: 2 steps") and "MLflow run " in out, out

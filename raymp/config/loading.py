@@ -141,6 +141,9 @@ def read_config_file(path: str | os.PathLike) -> dict:
         raise ConfigError(f"{p}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: top level must be a mapping of sections (model:, parallel:, ...)")
+    if not data:  # a run of all defaults is rarely meant; `raymp config` prints them
+        raise ConfigError(f"{p}: the file is empty; a run config sets at least one section (see "
+                          "configs/tiny.yaml)")
     return data
 
 

@@ -28,10 +28,10 @@ def ordered_context():
 
     import ray
 
-    # Ray Data logs each execution's start/finish (and that its bars are off) from every actor;
-    # raymp reports data wait itself.
-    logging.getLogger("ray.data").setLevel(logging.ERROR)
     ctx = ray.data.DataContext.get_current()
+    # Ray Data logs each execution's start/finish (and that its bars are off) from every actor;
+    # raymp reports data wait itself. After the line above: importing ray.data sets its own level.
+    logging.getLogger("ray.data").setLevel(logging.ERROR)
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False

@@ -27,21 +27,26 @@ def describe(run_name: str, cfg: RunConfig, num_params: int, manifest: dict, dev
     )
 
 
+def steady_median(history: list[dict], key: str) -> float:
+    """The median of `key` over the second half of the steps, the run's steady state: the first
+    steps include warm-up (allocator, data streams starting), and a last step's value is noise."""
+    tail = history[len(history) // 2:] or history
+    return sorted(m[key] for m in tail)[len(tail) // 2]
+
+
 def summary(history: list[dict], eval_batches: int, manifest: dict, position, tracking) -> str:
     if not history:
         return "no steps run"
     h = history
-    tail = h[len(h) // 2:] or h
-    tps = sorted(m["tokens_per_s"] for m in tail)[len(tail) // 2]
+    tps = steady_median(h, "tokens_per_s")
     last = h[-1]
     lines = [f"done: {len(h)} steps, loss {h[0]['loss']:.4f} -> {last['loss']:.4f}, median {tps:,.0f} "
              f"tokens/s, peak memory {last['peak_mem_bytes_max'] / 2**20:.0f} MiB/rank"]
     vals = [m["val_loss"] for m in h if m.get("val_loss") is not None]
-    waits = sorted(m["data_wait_fraction"] for m in tail)
     lines.append(
         (f"validation loss {vals[-1]:.4f} on {eval_batches} held-out batch(es); " if vals else "")
         + f"data: {manifest['tokens']:,} tokens, epoch {position.epoch} offset {position.offset}; "
-        f"median data wait {waits[len(waits) // 2]:.1%} of step time")
+        f"median data wait {steady_median(h, 'data_wait_fraction'):.1%} of step time")
     lines.append(
         f"model state + activations per rank: measured {last['memory_measured_bytes_max'] / 2**20:.1f} MiB, "
         f"planner estimate {last['memory_estimate_bytes_max'] / 2**20:.1f} MiB (max over ranks)")

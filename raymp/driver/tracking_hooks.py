@@ -11,6 +11,7 @@ import yaml
 
 from raymp.config import ConfigError, RunConfig, resolved_dict
 from raymp.driver.metrics import LOGGED
+from raymp.driver.summary import steady_median
 from raymp.layout import Layout
 from raymp.version import __version__
 
@@ -100,6 +101,9 @@ class RunTracking:
         try:
             if history:
                 self.tracker.log_figure(loss_figure(history, run_name), "loss_curve.png")
+                # What `raymp runs` and the compare view show as the run's throughput.
+                self.tracker.log_metrics(history[-1]["step"], {
+                    "tokens_per_s_median": steady_median(history, "tokens_per_s")}, final=True)
             if latest is not None:
                 self.tracker.set_tags({"raymp.checkpoint": latest.path, "raymp.checkpoint_step": str(latest.step)})
         finally:
