@@ -18,6 +18,35 @@ class PlacementOnlyWorker(Worker):
         self.rank = rank
 
 
+def train_with_local_data_on_a_zero_cpu_head() -> dict:
+    """The data under a local path of the driver's node, a head with no CPU (as the shipped
+    cluster configs make it): preparing and streaming it must still run, and train the same
+    thing as one process."""
+    import tempfile
+
+    from raymp.config import config_from_dict
+    from raymp.reference import train_single_process
+    from raymp.trainer import Trainer
+
+    root = tempfile.mkdtemp(prefix="raymp-head0-")
+    cfg = {
+        "name": "head0", "seed": 11, "output_dir": f"{root}/runs",
+        "model": {"preset": "tiny", "max_seq_len": 64},
+        "parallel": {"dp": 2, "zero": 2, "micro_batch_size": 2},
+        "train": {"steps": 3, "global_batch_size": 8, "seq_len": 32, "log_every": 1, "eval_batches": 0},
+        "optimizer": {"lr": 1e-2, "warmup_steps": 1},
+        "data": {"source": "kjv", "tokenizer": "byte", "cache_dir": f"{root}/cache"},
+        "resources": {"device": "cpu"},
+        "tracking": {"enabled": False},
+    }
+    with Trainer(cfg, progress=False) as trainer:
+        losses = [m["loss"] for m in trainer.fit()]
+        nodes = sorted({r["node_id"] for r in trainer.layout()})
+    reference, _ = train_single_process(config_from_dict(cfg), 3)
+    return {"losses": losses, "reference": reference, "actor_nodes": nodes,
+            "head": ray.get_runtime_context().get_node_id()}
+
+
 def main() -> None:
     cluster = SimulatedCluster(head_cpus=0)
     nodes = [cluster.add(cpus=4, gpus=2) for _ in range(2)]
@@ -39,6 +68,7 @@ def main() -> None:
     while ray.available_resources().get("GPU", 0) < 4 and time.time() < deadline:
         time.sleep(0.2)
     out["gpus_free_after"] = ray.available_resources().get("GPU", 0)
+    out["zero_cpu_head"] = train_with_local_data_on_a_zero_cpu_head()
     print(json.dumps(out))
     cluster.shutdown()
 

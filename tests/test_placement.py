@@ -32,6 +32,10 @@ def test_tp_groups_pack_per_node_on_a_simulated_gpu_cluster():
     assert "could not place 8 actors" in result["too_many_error"] and "groups of 2 per node" in result["too_many_error"]
     assert 3 <= result["too_many_seconds"] < 30
     assert result["gpus_free_after"] == 4  # nothing left reserved by the failed attempts
+    # Issue 24: local data on a 0-CPU head (the shipped cluster configs) was unschedulable.
+    head0 = result["zero_cpu_head"]
+    assert head0["head"] not in head0["actor_nodes"]
+    assert head0["losses"] == pytest.approx(head0["reference"], rel=1e-5)
 
 
 def test_shared_group_must_keep_tp_groups_on_one_node(group2, tiny_cfg):

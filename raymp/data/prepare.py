@@ -19,7 +19,7 @@ from collections import Counter
 import numpy as np
 
 from raymp.data.corpus import DataError, Skip, Source, filesystem_for, parse_file, resolve_source
-from raymp.data.ray_context import local_node_if_local_path, on_node, ordered_context
+from raymp.data.ray_context import local_node_if_local_path, offers_no_cpu, on_node, ordered_context
 from raymp.data.tokenizers import get_tokenizer
 
 MANIFEST = "manifest.json"
@@ -168,9 +168,10 @@ def _tokenized_blocks(source: Source, tokenizer: str, text_field: str, skip_bad:
 
     connect(None, 1)
     ordered_context()  # the packed order must not depend on which task finishes first
+    node = local_node_if_local_path(source.name)
     ds = ray.data.read_binary_files(  # local files are read on this node, a URI anywhere
         list(source.paths), filesystem=source.filesystem, include_paths=True,
-        override_num_blocks=len(source.paths), **on_node(local_node_if_local_path(source.name)),
+        override_num_blocks=len(source.paths), **on_node(node), **({"num_cpus": 0} if offers_no_cpu(node) else {}),
     )
     ds = ds.map_batches(_parse_batch, batch_size=1, fn_kwargs={"text_field": text_field, "skip_bad": skip_bad})
     # One big file is one block after parsing; split it so its documents tokenize in parallel.

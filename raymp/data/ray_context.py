@@ -11,6 +11,18 @@ def on_node(node_id: str | None) -> dict:
     return {} if node_id is None else {"label_selector": {"ray.io/node-id": node_id}}
 
 
+def offers_no_cpu(node_id: str | None) -> bool:
+    """Whether `node_id` gives Ray no CPU at all: a head started with --num-cpus=0, as the AWS, GCP
+    and KubeRay configs start it to keep work off the head. Tasks that read a local path there
+    still run there, reserving no CPU: the data is on that disk and nowhere else, and reading it
+    is light next to training (they used to stay unschedulable, and the job failed)."""
+    import ray
+
+    if node_id is None:
+        return False
+    return next((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["NodeID"] == node_id), 0) == 0
+
+
 def local_node_if_local_path(root: str) -> str | None:
     """A plain path is on this (the driver's) node's disk: tasks that read it must run here. A
     URI (s3://, gs://, file:// on a shared mount, ...) is readable from every node."""

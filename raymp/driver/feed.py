@@ -7,7 +7,7 @@ import ray
 
 from raymp.config import ConfigError, RunConfig
 from raymp.data import DataPosition, TrainOrder, load_dataset, replica_slice
-from raymp.data.ray_context import local_node_if_local_path
+from raymp.data.ray_context import local_node_if_local_path, offers_no_cpu
 from raymp.data.stream import StreamSpec
 from raymp.layout import Layout
 
@@ -49,8 +49,9 @@ class DataFeed:
         """One Ray Data stream per first-stage rank (each TP rank of the first stage reads its
         replica's stream), beginning at `start`."""
         node = self.node
+        cpus = 0 if offers_no_cpu(node) else cfg.data.stream_cpus  # see offers_no_cpu
         free = _free_cpus(node)
-        if free < cfg.data.stream_cpus:
+        if free < cpus:
             where = "the driver's node (data.cache_dir is a local path there)" if node else "the cluster"
             raise ConfigError(
                 f"the data streams' Ray Data tasks need data.stream_cpus={cfg.data.stream_cpus} free CPU, "
@@ -66,7 +67,7 @@ class DataFeed:
             if c["pp"] == 0 and steps > 0:
                 spec = StreamSpec(self.data.root, self.data.num_samples, self.data.seq_len, cfg.data.val_fraction,
                                   cfg.seed, cfg.train.global_batch_size, layout.dp, c["dp"], start, node)
-            args.append((spec, steps, cfg.data.stream_cpus, cfg.data.prefetch_batches))
+            args.append((spec, steps, cpus, cfg.data.prefetch_batches))
         group.call_per_rank("start_stream", args)
         self.start, self.next_step = start, start.step
 
@@ -101,8 +102,7 @@ class DataFeed:
 
 
 def _free_cpus(node_id: str | None) -> float:
-    """Free CPUs in the cluster; with a node, no more than that node has at all (a head node
-    started with --num-cpus=0 can never run the stream's tasks)."""
+    """Free CPUs in the cluster; with a node, no more than that node has at all."""
     free = ray.available_resources().get("CPU", 0)
     if node_id is None:
         return free
