@@ -115,6 +115,16 @@ def test_submit_follow_stop_and_check_mlflow(ray_head, tmp_path, data_cache):
     # `ray job submit` follows the logs and returns when the job ends.
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert wait_for(env, "raymp-ok", {"SUCCEEDED", "FAILED", "STOPPED"}) == "SUCCEEDED"
+
+    # Issue 24: without output_dir, results went into Ray's copy of the working dir, deleted after
+    # the job. Now the job fails at once, saying what to set.
+    lost = submit(env, "--submission-id", "raymp-relative", "--working-dir", ".", "--",
+                  "raymp", "train", "configs/tiny.yaml", "--set", f"data.cache_dir={data_cache}")
+    assert lost.returncode != 0
+    assert wait_for(env, "raymp-relative", {"SUCCEEDED", "FAILED", "STOPPED"}) == "FAILED"
+    logs = ray_cli(env, "job", "logs", "raymp-relative").stdout
+    assert "raymp: error: output_dir 'runs' is inside Ray's copy of the job's working directory" in logs, logs
+    assert "set output_dir to durable storage" in logs and "Traceback" not in logs
     logs = ray_cli(env, "job", "logs", "raymp-ok").stdout
     assert "step     6/6" in logs and "MLflow run" in logs  # progress streamed into the job logs
 

@@ -17,6 +17,13 @@ from raymp.tracking_store import check_tracking_store, tracking_uri
 def check_destinations(cfg: RunConfig) -> None:
     """Where the run will write, checked before anything starts, so a bad place fails in a second
     with one line and leaves nothing behind: output_dir, and the tracking store."""
+    for field, value in (("output_dir", cfg.output_dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+        if value is not None and _in_a_jobs_working_dir_copy(value):
+            raise ConfigError(
+                f"{field} {value!r} is inside Ray's copy of the job's working directory ({Path.cwd()}), which Ray "
+                f"deletes after the job: the run's results (checkpoints, the MLflow database) would be lost; set "
+                f"{field} to durable storage, e.g. --set {field}=/mnt/shared/runs (a path every node reaches)"
+                + (" or an s3:// / gs:// URI" if field == "checkpoint.dir" else ""))
     root = Path(cfg.output_dir).expanduser()
     probe = root / f".raymp-write-probe-{os.getpid()}"
     try:
@@ -28,6 +35,15 @@ def check_destinations(cfg: RunConfig) -> None:
                           "to a directory this user can write") from None
     if cfg.tracking.enabled:
         check_tracking_store(tracking_uri(cfg), cfg.tracking.connect_timeout_s)
+
+
+def _in_a_jobs_working_dir_copy(path: str) -> bool:
+    """Whether `path` lands in the copy of a `ray job submit --working-dir` that Ray unpacks for
+    the job (<session>/runtime_resources/working_dir_files/...) and removes after it: a relative
+    path in a submitted job's entrypoint does. Every such copy lives under that directory."""
+    if "://" in path:
+        return False
+    return "runtime_resources" in Path(path).expanduser().resolve().parts
 
 
 @contextmanager
