@@ -4,6 +4,8 @@ against the planner (each must fit its own cluster section)."""
 
 from __future__ import annotations
 
+import re
+
 import json
 from pathlib import Path
 
@@ -49,7 +51,7 @@ def _containers(template):
 def _check_cluster_spec(spec):
     assert spec["rayVersion"].startswith("2.")
     head = spec["headGroupSpec"]
-    assert "rayStartParams" in head and _containers(head["template"])[0]["image"].startswith("rayproject/ray:")
+    assert "rayStartParams" in head  # the images: test_kuberay_pods_run_an_image_with_raymp_at_the_tested_ray_version
     for group in spec["workerGroupSpecs"]:
         assert group["groupName"] and "rayStartParams" in group
         assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
@@ -70,9 +72,22 @@ def test_kuberay_rayjob_manifest_runs_a_shipped_config():
     _check_cluster_spec(spec["rayClusterSpec"])
     assert spec["shutdownAfterJobFinishes"] is True
     entry = spec["entrypoint"].split()
-    assert entry[:4] == ["python", "-m", "raymp.cli", "train"]
-    assert load_config(ROOT / entry[4]).resources.device == "cuda"
-    assert "working_dir" in yaml.safe_load(spec["runtimeEnvYAML"])
+    assert entry[:2] == ["raymp", "train"] and "output_dir=/mnt/shared/runs" in entry
+    assert load_config(ROOT / entry[2]).resources.device == "cuda"
+
+
+def test_kuberay_pods_run_an_image_with_raymp_at_the_tested_ray_version():
+    """A stock Ray image has no raymp (`raymp: not found`): every pod runs the image the
+    Dockerfile builds, FROM Ray's image of the version pyproject.toml pins."""
+    docker = (ROOT / "cluster" / "kuberay" / "Dockerfile").read_text()
+    base = next(line.split()[1] for line in docker.splitlines() if line.startswith("FROM "))
+    pinned = re.search(r'"ray\[default\]>=(\d+\.\d+)', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert base.startswith(f"rayproject/ray:{pinned}.") and "pip install" in docker and "/home/ray/raymp" in docker
+    for name in ("raycluster.yaml", "rayjob.yaml"):
+        doc = yaml.safe_load((ROOT / "cluster" / "kuberay" / name).read_text())
+        spec = doc["spec"].get("rayClusterSpec", doc["spec"])
+        groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+        assert {c["image"] for g in groups for c in _containers(g["template"])} == {"YOUR-REGISTRY/raymp:0.1.0"}
 
 
 @pytest.mark.parametrize("name", GPU_CONFIGS)
