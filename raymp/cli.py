@@ -79,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     runs.add_argument("--experiment", help="experiment name (default: the config's tracking.experiment)")
     runs.add_argument("--tracking-uri", help="MLflow store (default: the config's, else sqlite under output_dir)")
     runs.add_argument("--compare", nargs="+", metavar="RUN", help="run ids, id prefixes or names to put side by side")
+    runs.add_argument("--plot", metavar="PNG", help="with --compare: draw their loss, tokens/s and peak memory here")
     runs.add_argument("--limit", type=int, default=50, help="newest runs to list (default 50)")
 
     show = sub.add_parser("config", help="validate a config and print it fully resolved")
@@ -147,16 +148,20 @@ def _prepare_data(args) -> int:
 
 
 def _runs(args) -> int:
-    from raymp.config import load_config
-    from raymp.runs import compare_runs, format_rows, list_runs
+    from raymp.config import ConfigError, load_config
+    from raymp.runs import compare_runs, format_rows, list_runs, plot_comparison
     from raymp.tracking_store import check_tracking_store, tracking_uri
 
     cfg = load_config(args.config, args.overrides)
     uri = args.tracking_uri or tracking_uri(cfg)
     check_tracking_store(uri, cfg.tracking.connect_timeout_s, reading=True)
     experiment = args.experiment or cfg.tracking.experiment
+    if args.plot and not args.compare:
+        raise ConfigError("--plot draws the runs given with --compare; add --compare RUN [RUN ...]")
     if args.compare:
         print(compare_runs(uri, experiment, args.compare))
+        if args.plot:
+            print(f"loss, tokens/s and peak memory by step: {plot_comparison(uri, experiment, args.compare, args.plot)}")
         return 0
     rows = list_runs(uri, experiment, args.limit)
     print(f"experiment {experiment!r} in {uri}: {len(rows)} run(s), newest first")

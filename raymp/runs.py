@@ -61,10 +61,8 @@ def format_rows(rows: list[dict], columns=COLUMNS) -> str:
     return "\n".join([line(columns), line(["-" * w for w in widths])] + [line(row) for row in cells])
 
 
-def compare_runs(uri: str, experiment: str, wanted: list[str]) -> str:
-    """Runs (by id, id prefix or name) side by side: the params that differ, then the last value
-    of each key metric."""
-    client = _client(uri)
+def _chosen(client, experiment: str, wanted: list[str]) -> list:
+    """The runs named by id, id prefix or name, in the order given."""
     exp = _experiment(client, experiment)
     runs = client.search_runs([exp.experiment_id], max_results=1000)
     chosen = []
@@ -74,6 +72,13 @@ def compare_runs(uri: str, experiment: str, wanted: list[str]) -> str:
             raise ConfigError(f"{key!r} matches {len(match)} runs of {experiment!r}; give a run id "
                               "(or a longer prefix) from `raymp runs`")
         chosen.append(match[0])
+    return chosen
+
+
+def compare_runs(uri: str, experiment: str, wanted: list[str]) -> str:
+    """Runs (by id, id prefix or name) side by side: the params that differ, then the last value
+    of each key metric."""
+    chosen = _chosen(_client(uri), experiment, wanted)
     names = [f"{r.info.run_name} ({r.info.run_id[:6]})" for r in chosen]
     keys = sorted({k for r in chosen for k in r.data.params})
     differing = [k for k in keys if len({r.data.params.get(k) for r in chosen}) > 1]
@@ -82,3 +87,31 @@ def compare_runs(uri: str, experiment: str, wanted: list[str]) -> str:
              for k in COMPARED_METRICS if any(k in r.data.metrics for r in chosen)]
     rows += [{"": "tag raymp.layout", **{n: r.data.tags.get("raymp.layout") for n, r in zip(names, chosen)}}]
     return format_rows(rows, ["", *names])
+
+
+# What a comparison is read for first, in this order. The MLflow UI's chart view orders charts by
+# metric name (checkpoint_blocked_s, data_wait_* and grad_norm come before loss), and keeps its
+# layout in the browser, so raymp draws these itself.
+PLOTTED = (("loss", "training loss"), ("tokens_per_s", "tokens/s"), ("peak_mem_mb_max", "peak memory (MiB, max over ranks)"))
+
+
+def plot_comparison(uri: str, experiment: str, wanted: list[str], out: str) -> str:
+    """Loss, throughput and peak memory by step of the chosen runs, one panel each, as a PNG at
+    `out`. Returns its path."""
+    from matplotlib.figure import Figure
+
+    client = _client(uri)
+    chosen = _chosen(client, experiment, wanted)
+    fig = Figure(figsize=(5 * len(PLOTTED), 3.8))
+    for ax, (key, label) in zip(fig.subplots(1, len(PLOTTED)), PLOTTED):
+        for run in chosen:
+            points = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+            if points:
+                ax.plot(*zip(*points), label=f"{run.info.run_name} ({run.info.run_id[:6]})")
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    return out

@@ -54,19 +54,39 @@ def experiment_id(url: str, name: str) -> str:
         return json.loads(r.read())["experiment"]["experiment_id"]
 
 
-def shoot(url: str, experiment: str, out: Path, budget_ms: int = 20000) -> tuple[Path, str]:
-    """(screenshot path, rendered DOM) of the experiment's runs in chart-compare mode."""
+def rendered_charts(dom: str) -> list[str]:
+    """The titles of the metric charts the page has drawn (a plotly plot inside each card)."""
+    if "js-plotly-plot" not in dom:
+        return []
+    import re
+
+    return re.findall(r'title="([A-Za-z0-9_/.]+)"', dom)
+
+
+def shoot(url: str, experiment: str, out: Path, wait_s: float = 180) -> tuple[Path, str]:
+    """(screenshot path, rendered DOM) of the experiment's runs in chart-compare mode, once the
+    charts are drawn: the page first shows loading spinners (the charts came ~25 s later here),
+    so it is loaded again with a doubled virtual-time budget until its DOM holds plotly charts,
+    for at most `wait_s` seconds."""
     browser = find_browser()
     if browser is None:
         raise RuntimeError("no Chromium found; install it (Debian: apt-get install -y chromium)")
     page = (f"{url}/#/experiments/{experiment_id(url, experiment)}/runs"
             "?workflowType=machine_learning&compareRunsMode=CHART")
-    common = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-              "--hide-scrollbars", "--window-size=1600,1000", f"--virtual-time-budget={budget_ms}"]
     out.parent.mkdir(parents=True, exist_ok=True)
+    deadline, budget_ms = time.time() + wait_s, 5000
+    while True:
+        common = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                  "--hide-scrollbars", "--window-size=1600,1000", f"--virtual-time-budget={budget_ms}"]
+        dom = subprocess.run(common + ["--dump-dom", page], check=True, capture_output=True, text=True,
+                             timeout=180).stdout
+        if rendered_charts(dom):
+            break
+        if time.time() > deadline:
+            raise RuntimeError(f"the MLflow UI drew no chart within {wait_s:g} s (shoot's wait_s)")
+        budget_ms = min(2 * budget_ms, 120_000)
     subprocess.run(common + [f"--screenshot={out}", page], check=True, capture_output=True, timeout=180)
-    dom = subprocess.run(common + ["--dump-dom", page], check=True, capture_output=True, text=True, timeout=180)
-    return out, dom.stdout
+    return out, dom
 
 
 def main(argv: list[str] | None = None) -> int:

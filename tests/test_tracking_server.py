@@ -108,7 +108,7 @@ def test_rest_api_returns_params_tags_metric_histories_and_artifacts(mlflow_serv
     assert {"config.yaml", "layout.json", "loss_curve.png"} <= files
 
 
-def test_runs_command_lists_and_compares(mlflow_server, two_runs, capsys):
+def test_runs_command_lists_and_compares(mlflow_server, two_runs, capsys, tmp_path):
     assert main(["runs", "--tracking-uri", mlflow_server, "--experiment", "server-test"]) == 0
     out = capsys.readouterr().out
     assert "2 run(s)" in out and "server-a" in out and "server-b" in out
@@ -118,6 +118,11 @@ def test_runs_command_lists_and_compares(mlflow_server, two_runs, capsys):
     table = capsys.readouterr().out
     assert "param parallel.zero" in table and "param train.steps" not in table  # only what differs
     assert "loss" in table and "tokens_per_s_median" in table  # the throughput `raymp runs` shows
+    png = tmp_path / "compare.png"
+    assert main(["runs", "--tracking-uri", mlflow_server, "--experiment", "server-test",
+                 "--compare", "server-a", "server-b", "--plot", str(png)]) == 0
+    assert f"loss, tokens/s and peak memory by step: {png}" in capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
 
 
 def test_a_killed_run_is_resumed_by_run_id(mlflow_server, two_runs, group2, data_cache, tmp_path):
@@ -146,12 +151,14 @@ def test_a_killed_run_is_resumed_by_run_id(mlflow_server, two_runs, group2, data
 
 def test_ui_screenshot_compares_the_runs(mlflow_server, two_runs, tmp_path):
     """scripts/mlflow_ui_screenshot.py against the server: the chart-compare view of the
-    experiment renders, and the rendered page names both runs."""
+    experiment renders its charts (it waits for them), and the rendered page names both runs."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    from mlflow_ui_screenshot import find_browser, shoot
+    from mlflow_ui_screenshot import find_browser, rendered_charts, shoot
 
     if find_browser() is None:
         pytest.skip("Chromium is not installed (Debian: apt-get install -y chromium)")
     png, dom = shoot(mlflow_server, "server-test", tmp_path / "ui.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     assert "server-a" in dom and "server-b" in dom
+    charts = rendered_charts(dom)  # drawn, not spinners: raymp's step metrics, both runs in each
+    assert {"grad_norm", "loss", "lr"} <= set(charts), charts
