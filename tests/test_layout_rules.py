@@ -123,3 +123,20 @@ def test_layout_text_forms_and_records_round_trip():
         {"dp": 1, "pp": 1, "tp": 1}]
     assert all(lay.rank_of(**lay.coords(r)) == r for r in range(lay.world_size))
     assert lay.ranks_where(pp=0) == [0, 1, 4, 5]
+
+
+def test_the_drivers_stage_split_is_not_a_second_validation(monkeypatch):
+    """Issue 20: the driver validated the whole config again to add the stage split it chose."""
+    from raymp.config import RunConfig
+    from raymp.driver.launch import with_stage_split
+
+    cfg = config_from_dict({"model": {"preset": "tiny"}, "parallel": {"dp": 1, "pp": 2, "micro_batch_size": 2},
+                            "train": {"global_batch_size": 8, "seq_len": 32}})
+
+    def validated_again(*args, **kwargs):
+        raise AssertionError("validated again")
+
+    monkeypatch.setattr(RunConfig, "model_validate", validated_again)
+    split = with_stage_split(cfg, 256)
+    assert split.parallel.stage_layers == [[0, 1], [2, 3]] and cfg.parallel.stage_layers is None
+    split.parallel.layout.check(model_shape(split.model, 256), 8, 32)  # a split the rules accept
