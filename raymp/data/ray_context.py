@@ -11,16 +11,19 @@ def on_node(node_id: str | None) -> dict:
     return {} if node_id is None else {"label_selector": {"ray.io/node-id": node_id}}
 
 
+def node_cpus(node_id: str) -> float:
+    """The CPUs `node_id` gives Ray in all (0 for a node that is gone)."""
+    import ray
+
+    return next((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["NodeID"] == node_id), 0)
+
+
 def offers_no_cpu(node_id: str | None) -> bool:
     """Whether `node_id` gives Ray no CPU at all: a head started with --num-cpus=0, as the AWS, GCP
     and KubeRay configs start it to keep work off the head. Tasks that read a local path there
     still run there, reserving no CPU: the data is on that disk and nowhere else, and reading it
     is light next to training (they used to stay unschedulable, and the job failed)."""
-    import ray
-
-    if node_id is None:
-        return False
-    return next((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["NodeID"] == node_id), 0) == 0
+    return node_id is not None and node_cpus(node_id) == 0
 
 
 def local_node_if_local_path(root: str) -> str | None:

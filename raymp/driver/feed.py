@@ -7,7 +7,7 @@ import ray
 
 from raymp.config import ConfigError, RunConfig
 from raymp.data import DataPosition, TrainOrder, load_dataset, replica_slice
-from raymp.data.ray_context import local_node_if_local_path, offers_no_cpu
+from raymp.data.ray_context import local_node_if_local_path, node_cpus, offers_no_cpu
 from raymp.data.stream import StreamSpec
 from raymp.layout import Layout
 
@@ -104,7 +104,4 @@ class DataFeed:
 def _free_cpus(node_id: str | None) -> float:
     """Free CPUs in the cluster; with a node, no more than that node has at all."""
     free = ray.available_resources().get("CPU", 0)
-    if node_id is None:
-        return free
-    total = next((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["NodeID"] == node_id), 0)
-    return min(free, total)
+    return free if node_id is None else min(free, node_cpus(node_id))
