@@ -56,7 +56,8 @@ def main() -> None:
     group.shutdown()
     t0 = time.perf_counter()
     try:
-        ActorGroup(4, "cuda", tp_size=4, worker_cls=PlacementOnlyWorker, placement_timeout_s=60)
+        # A timeout past the test's own: "no node could ever hold it" must be said before any wait.
+        ActorGroup(4, "cuda", tp_size=4, worker_cls=PlacementOnlyWorker, placement_timeout_s=600)
     except PlacementError as exc:
         out["tp4_error"], out["tp4_seconds"] = str(exc), time.perf_counter() - t0
     t0 = time.perf_counter()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -60,26 +59,26 @@ def test_gives_up_after_max_restarts(tiny_cfg, tmp_path):
         trainer.close()
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["timeout", "collective"])
 def test_hung_rank_is_detected(tiny_cfg, tmp_path, kind):
     """A wedged rank: the step timeout catches it, or (without one) the survivors' collectives
     fail at the process-group timeout. Either way a WorkerLostError, not a hang."""
     from helpers.ckpt_workers import HangingWorker
 
-    collective_timeout = 60 if kind == "timeout" else 3
+    collective_timeout = 900 if kind == "timeout" else 3
     group = ActorGroup(2, "cpu", placement_timeout_s=60, collective_timeout_s=collective_timeout,
                        worker_cls=HangingWorker)
     try:
-        group.call("arm_hang", 1, 1, 30)
+        # Hung past this test's own timeout (the mark): only the knob under test can end the step.
+        group.call("arm_hang", 1, 1, 900)
         cfg = elastic_cfg(tiny_cfg, tmp_path, step_timeout_s=3 if kind == "timeout" else None)
         cfg["tracking"]["enabled"] = False
         trainer = Trainer(cfg, actor_group=group, progress=False)
         trainer.step()
-        t0 = time.perf_counter()
         with pytest.raises(WorkerLostError) as err:
             trainer.step()
         assert err.value.kind == kind and err.value.step == 1
-        assert time.perf_counter() - t0 < 25  # well before the hung rank's 30 s
     finally:
         group.shutdown()
 

@@ -55,30 +55,31 @@ def test_actor_group_size_must_match_layout(group2, tiny_cfg):
         Trainer(cfg, actor_group=group2, progress=False).setup()
 
 
+@pytest.mark.timeout(120)  # the bound: a wait that ignored placement_timeout_s would pass it
 def test_unplaceable_layout_fails_after_bounded_wait(ray_local):
     t0 = time.perf_counter()
     with pytest.raises(PlacementError, match=r"could not place 2 actors .*CPU.: 64.*placement_timeout_s"):
         ActorGroup(2, "cpu", cpus_per_actor=64, placement_timeout_s=2)
-    assert time.perf_counter() - t0 < 30
+    assert time.perf_counter() - t0 >= 2  # it did wait for the knob's time (a lower bound holds on any machine)
     # The pending placement group was removed: nothing is left reserved.
     assert ray_local.available_resources().get("CPU", 0) >= 0
 
 
+@pytest.mark.timeout(300)
 def test_dead_actor_stops_the_run_with_a_clear_error_not_a_hang(ray_local, tiny_cfg):
     from raymp.runtime.actor_group import WorkerLostError
 
-    group = ActorGroup(2, "cpu", placement_timeout_s=60, collective_timeout_s=120)
+    # A collective timeout far past this test's own (the timeout mark): the death must be learned
+    # from Ray's actor-death signal, which the error's kind says too.
+    group = ActorGroup(2, "cpu", placement_timeout_s=60, collective_timeout_s=900)
     try:
         trainer = Trainer(tiny_cfg(parallel={"dp": 2, "zero": 2, "micro_batch_size": 2}),
                           actor_group=group, progress=False)
         trainer.step()
         ray_local.kill(group.workers[1])
-        t0 = time.perf_counter()
         with pytest.raises(WorkerLostError, match=r"step 1: rank 1 on node .* died") as err:
             trainer.step()
-        # Learned from Ray's actor-death signal, not from the 120 s collective timeout.
-        assert time.perf_counter() - t0 < 60
-        assert err.value.step == 1
+        assert err.value.step == 1 and err.value.kind == "died"
     finally:
         group.shutdown()
 
