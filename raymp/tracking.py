@@ -149,6 +149,11 @@ class RunTracker:
 
         self._timed(self.client.log_batch, self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
+    @property
+    def events(self) -> int:
+        """Events logged to this run so far, by every driver it had."""
+        return self._events
+
     def log_event(self, name: str, event: dict, step: int) -> None:
         """An event of the run (a restart, a resume) as events/<name>.json, and counted in the
         `events` tag so the runs table shows which runs had any."""

@@ -37,7 +37,8 @@ class RunTracking:
             raise ConfigError(f"tracking.resume_run_id {run_id!r} is not a run of experiment "
                               f"{cfg.tracking.experiment!r} in {tracker.uri}; check the id (raymp runs)")
         if tracker.resumed:
-            tracker.log_event("resume", {"step": step, "checkpoint": resume.path if resume else None,
+            # Numbered by the run's events: a run resumed twice keeps both records.
+            tracker.log_event(f"resume-{tracker.events + 1}", {"step": step, "checkpoint": resume.path if resume else None,
                                          "layout": cfg.parallel.layout.record()}, step)
         else:
             tracker.log_text(yaml.safe_dump(resolved_dict(cfg), sort_keys=False), "config.yaml")
