@@ -1,5 +1,5 @@
-"""End to end as a cluster user runs it: a Ray head started with `ray start --head` (own temp dir
-and ports, token auth as Ray 2.60 sets it), the tiny config submitted with `ray job submit`,
+"""End to end as a cluster user runs it, following cluster/README.md: a token, a 0-CPU head and a
+worker node started with `ray start` (own temp dirs and ports), the tiny config submitted with `ray job submit`,
 followed to SUCCEEDED with its MLflow run checked; a second job stopped mid-run with
 `ray job stop` (ends STOPPED, MLflow run KILLED, no actor left alive); then the head is stopped.
 The head runs in its own process group so stopping it never touches the test session's Ray."""
@@ -28,42 +28,68 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stop(process) -> None:
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+
+
 @pytest.fixture
 def ray_head():
+    """A cluster set up as cluster/README.md says: the auth token generated first, a head with no
+    CPU (as the shipped cluster configs make it), a worker node with 4 CPUs joining with the token,
+    a client given RAY_AUTH_MODE=token and RAY_AUTH_TOKEN. Each node has its own temp dir (two
+    nodes sharing one session dir on one machine remove each other's copy of the job's working
+    directory) and its own ports, and runs in its own process group."""
     temp = tempfile.mkdtemp(prefix="rh", dir="/tmp")  # short: Ray's unix socket paths are limited
-    port, dash = free_port(), free_port()
-    # As cluster/README.md says to start a head: `ray job stop` waits this long after SIGTERM before
-    # SIGKILL (3 s by default), room for the stopped run to commit its save and mark its MLflow run
-    # KILLED on a busy machine (at 3 s, CI once found the run still RUNNING).
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": "", "RAY_JOB_STOP_WAIT_TIME_S": "60"}
+    home = Path(temp, "home")  # the token file goes to ~/.ray/auth_token: never the user's own
+    home.mkdir()
+    # RAY_JOB_STOP_WAIT_TIME_S, as cluster/README.md says to start a head: `ray job stop` waits this
+    # long after SIGTERM before SIGKILL (3 s by default), room for the stopped run to commit its save
+    # and mark its MLflow run KILLED on a busy machine (at 3 s, CI once found the run still RUNNING).
+    env = {**os.environ, "HOME": str(home), "RAY_AUTH_MODE": "token", "RAY_ADDRESS": "",
+           "RAY_JOB_STOP_WAIT_TIME_S": "60"}
     env.pop("PYTHONPATH", None)  # the client job runs with the cluster's environment, not this one
+    token = subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=env, capture_output=True,
+                           text=True, timeout=60).stdout.strip()
+    assert len(token) >= 32, "ray get-auth-token --generate gave no token"
+    port, dash = free_port(), free_port()
+    # Its own agent ports: the test session's Ray (started earlier) holds the defaults, and a
+    # node whose agent cannot bind answers "No available agent to submit job".
+    agent = lambda: [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",  # noqa: E731
+                     f"--metrics-export-port={free_port()}", "--disable-usage-stats", "--block"]
     head = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--head", "--block", f"--temp-dir={temp}", f"--port={port}",
+        [str(BIN / "ray"), "start", "--head", f"--temp-dir={temp}/head", f"--port={port}",
          f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--include-dashboard=true",
-         # Its own agent ports: the test session's Ray (started earlier) holds the defaults, and a
-         # head whose agent cannot bind answers "No available agent to submit job".
-         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-         f"--metrics-export-port={free_port()}", "--num-cpus=4", "--disable-usage-stats"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    address = f"http://127.0.0.1:{dash}"
-    client_env = {**env, "RAY_ADDRESS": address}
-    deadline = time.time() + 120
-    while time.time() < deadline:  # the job server answers once the dashboard is up
-        probe = subprocess.run([str(BIN / "ray"), "job", "list"], env=client_env, capture_output=True, text=True)
-        if probe.returncode == 0:
-            break
-        time.sleep(1)
-    else:
-        os.killpg(head.pid, signal.SIGTERM)
-        pytest.fail("the Ray head did not come up within 120 s")
-    yield client_env, f"127.0.0.1:{port}"
-    os.killpg(head.pid, signal.SIGTERM)
+         "--num-cpus=0", *agent()],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    node_env = {**env, "RAY_AUTH_TOKEN": token}
+    client_env = {**node_env, "RAY_ADDRESS": f"http://127.0.0.1:{dash}"}
+    worker = None
     try:
-        head.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(head.pid, signal.SIGKILL)
-    shutil.rmtree(temp, ignore_errors=True)
+        deadline = time.time() + 120
+        while True:  # the job server answers once the dashboard is up
+            probe = subprocess.run([str(BIN / "ray"), "job", "list"], env=client_env, capture_output=True, text=True)
+            if probe.returncode == 0:
+                break
+            assert time.time() < deadline, "the Ray head did not come up within 120 s"
+            time.sleep(1)
+        worker = subprocess.Popen(
+            [str(BIN / "ray"), "start", f"--address=127.0.0.1:{port}", f"--temp-dir={temp}/worker",
+             "--num-cpus=4", f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
+             f"--runtime-env-agent-port={free_port()}", *agent()],
+            env=node_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        while "0.0/4.0 CPU" not in (status := ray_cli(node_env, "status", "--address", f"127.0.0.1:{port}").stdout):
+            assert time.time() < deadline + 60, f"the worker node did not join: {status}"
+            time.sleep(1)
+        yield client_env, f"127.0.0.1:{port}"
+    finally:
+        for process in (worker, head):
+            if process is not None:
+                _stop(process)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def ray_cli(env, *args, timeout=300):
