@@ -141,12 +141,11 @@ class Trainer:
     def step(self) -> dict:
         """Run one optimizer step on every actor and return the aggregated metrics."""
         self.setup()
-        cfg, step = self.config, self.global_step
-        if step >= cfg.train.steps:
-            raise RuntimeError(f"the run is complete: train.steps={cfg.train.steps} steps done")
+        t, step = self.config.train, self.global_step
+        if step >= t.steps:
+            raise RuntimeError(f"the run is complete: train.steps={t.steps} steps done")
         reports, metrics = self.session.run_step(step)
         self.feed.next_step += 1
-        t = cfg.train
         metrics["restarts"] = len(self.restarts)
         if "pipeline_events" in metrics:  # kept aside for timeline(), not in the history
             self.last_pipeline_events, self._last_pipeline_step = metrics.pop("pipeline_events"), step
