@@ -180,8 +180,9 @@ class Layout:
         if self.sequence_parallel and tp == 1:
             yield "parallel.sequence_parallel needs parallel.tp > 1; set one or the other"
         elif self.sequence_parallel and not shape.sequence_parallel:
-            yield (f"parallel.sequence_parallel is implemented for the built-in model, not {shape.kind}; "
-                   "it runs tensor parallel without it: set parallel.sequence_parallel=false")
+            yield (f"parallel.sequence_parallel is not implemented for {shape.kind} (it is for the built-in, "
+                   "Llama, Qwen2 and Mistral models); it runs tensor parallel without it: set "
+                   "parallel.sequence_parallel=false")
         elif self.sequence_parallel and seq_len % tp:
             yield (f"parallel.sequence_parallel splits train.seq_len ({seq_len}) over parallel.tp ({tp}): "
                    f"make it a multiple of {tp}")

@@ -12,6 +12,7 @@ from raymp.config import RunConfig
 from raymp.data import TrainOrder, load_dataset
 from raymp.loss import lm_loss
 from raymp.models import build_model, model_spec
+from raymp.models.masks import document_eot, mask_kwargs
 from raymp.optim import build_optimizer, build_scheduler
 
 
@@ -25,6 +26,7 @@ def train_single_process(cfg: RunConfig, steps: int | None = None) -> tuple[list
     autocast = (
         torch.autocast("cpu", dtype=torch.bfloat16) if cfg.precision == "bf16" else contextlib.nullcontext()
     )
+    eot = document_eot(cfg, data)
     losses = []
     for step in range(steps or cfg.train.steps):
         chunks = data.gather(order.batch(step)).reshape(-1, cfg.parallel.micro_batch_size, cfg.train.seq_len + 1)
@@ -32,7 +34,7 @@ def train_single_process(cfg: RunConfig, steps: int | None = None) -> tuple[list
         for chunk in chunks:
             batch = torch.from_numpy(chunk.astype(np.int64))
             with autocast:
-                loss = lm_loss(model(batch[:, :-1]), batch[:, 1:])
+                loss = lm_loss(model(batch[:, :-1], **mask_kwargs(batch[:, :-1], eot)), batch[:, 1:])
             (loss / len(chunks)).backward()
             total += loss.item()
         if cfg.optimizer.grad_clip:
@@ -52,7 +54,8 @@ def single_process_gradients(cfg: RunConfig) -> dict[str, torch.Tensor]:
     chunks = data.gather(order.batch(0)).reshape(-1, cfg.parallel.micro_batch_size, cfg.train.seq_len + 1)
     for chunk in chunks:
         batch = torch.from_numpy(chunk.astype(np.int64))
-        (lm_loss(model(batch[:, :-1]), batch[:, 1:]) / len(chunks)).backward()
+        logits = model(batch[:, :-1], **mask_kwargs(batch[:, :-1], document_eot(cfg, data)))
+        (lm_loss(logits, batch[:, 1:]) / len(chunks)).backward()
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
     if model_spec(cfg.model, data.vocab_size).tie_embeddings:
         grads["output.weight"] = grads["tok_embeddings.weight"]
@@ -77,5 +80,6 @@ def single_process_val_loss(cfg: RunConfig, weights: dict[str, torch.Tensor]) ->
     for i in range(cfg.train.eval_batches):
         tokens = data.gather(order.val_ids[i * g:(i + 1) * g]).astype(np.int64)
         for chunk in torch.from_numpy(tokens).split(mb):
-            losses.append(lm_loss(model(chunk[:, :-1]), chunk[:, 1:]).item())
+            logits = model(chunk[:, :-1], **mask_kwargs(chunk[:, :-1], document_eot(cfg, data)))
+            losses.append(lm_loss(logits, chunk[:, 1:]).item())
     return sum(losses) / len(losses)

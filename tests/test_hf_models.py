@@ -94,7 +94,7 @@ def test_model_config_takes_its_shape_from_the_hf_config():
     ({"hf_config": LLAMA, "dim": 128}, {}, "model.dim come from the Hugging Face config"),
     ({"hf_config": LLAMA, "factory": "x:y"}, {}, "set one of model.hf_config or model.factory"),
     ({"hf_config": {**LLAMA, "num_key_value_heads": 1}}, {"tp": 2}, r"must divide num_key_value_heads \(1\)"),
-    ({"hf_config": LLAMA}, {"tp": 2, "sequence_parallel": True}, "implemented for the built-in model, not the Hugging Face"),
+    ({"hf_config": GPT2}, {"tp": 2, "sequence_parallel": True}, "not implemented for the Hugging Face gpt2 model"),
     ({"factory": "helpers.custom_model:build"}, {"tp": 2}, "model.factory_tp_plan"),
 ])
 def test_bad_model_configs_fail_early_and_name_the_fix(model, parallel, match):
@@ -131,6 +131,21 @@ def test_hf_model_matches_single_process(family, layout, group2, tiny_cfg):
 def test_sliding_window_mistral_matches_single_process(layout, group2, tiny_cfg):
     """Window 16 < seq_len 32: the masks hold under ZeRO-3, on every pipeline stage and under TP."""
     check_parity(hf_run(tiny_cfg, {"hf_config": SLIDING["mistral"]}, LAYOUTS[layout]), group2,
+                 weight_atol=WEIGHT_ATOL)
+
+
+def test_llama_with_sequence_parallelism_matches_single_process(group2, tiny_cfg):
+    """Between layers each rank holds half of the sequence; rotary tables and masks are the
+    whole sequence's."""
+    check_parity(hf_run(tiny_cfg, {"hf_config": LLAMA}, {**LAYOUTS["tp2"], "sequence_parallel": True}), group2,
+                 weight_atol=WEIGHT_ATOL)
+
+
+def test_sliding_qwen2_pp2_tp2_sp_with_document_mask_matches_single_process(group4, tiny_cfg):
+    """Everything at once on 4 actors: the last stage's ranks get sequence slices from the first
+    stage and must still build masks (sliding window, documents) for the whole sequence."""
+    parallel = {"dp": 1, "pp": 2, "tp": 2, "sequence_parallel": True, "micro_batch_size": 1, "schedule": "1f1b"}
+    check_parity(hf_run(tiny_cfg, {"hf_config": SLIDING["qwen2"]}, parallel, data={"document_mask": True}), group4,
                  weight_atol=WEIGHT_ATOL)
 
 

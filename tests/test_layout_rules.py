@@ -88,7 +88,8 @@ def test_planner_and_config_agree_on_2500_layouts():
     ("tiny 8 layers", {"pp": 4, "schedule": "gpipe", "micro_batch_size": 2}, 8, ""),
     ("gpt2 n_inner=256", {"tp": 4}, 8, ""),
     ("gpt2 n_inner=258", {"tp": 4}, 8, "must divide n_inner (258)"),
-    ("llama", {"tp": 2, "sequence_parallel": True}, 8, "implemented for the built-in model"),
+    ("llama", {"tp": 2, "sequence_parallel": True}, 8, ""),
+    ("gpt2 n_inner=256", {"tp": 2, "sequence_parallel": True}, 8, "not implemented for the Hugging Face gpt2 model"),
 ])
 def test_once_disagreeing_cases_get_one_verdict(model, parallel, gb, verdict):
     run = _run(model, parallel, gb, 32)

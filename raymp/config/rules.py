@@ -52,6 +52,12 @@ def check_run(cfg) -> None:
             "precision fp16 runs at ~1 GFLOP/s on CPU and needs loss scaling; use precision=bf16 "
             "(or set resources.device=cuda on GPUs)"
         )
+    if cfg.data.document_mask and m.factory is not None:
+        raise ValueError(
+            "data.document_mask needs the built-in model or a Hugging Face one (raymp hands their "
+            "forward each token's document id); a model.factory module takes tokens only: set "
+            "data.document_mask=false"
+        )
     if problem := vocab_too_small(m.vocab_size, tokenizer, TOKENIZER_VOCAB.get(tokenizer)):
         raise ValueError(problem)
 

@@ -177,6 +177,9 @@ class DataConfig(_Strict):
     on_bad_data: Literal["error", "skip"] = Field(
         "error", description="empty files, non-UTF-8, bad JSON, missing field: stop, or skip and count"
     )
+    document_mask: bool = Field(
+        False, description="attend only within each packed document (ends at the tokenizer's end-of-text)",
+    )
     prefetch_batches: int = Field(2, ge=0, description="steps of data each first stage keeps ready")
     stream_cpus: float = Field(
         0.25, gt=0, description="CPUs each Ray Data task that streams batches asks for",

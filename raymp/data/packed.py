@@ -31,6 +31,11 @@ class PackedDataset:
         return self.manifest["vocab_size"]
 
     @property
+    def eot_id(self) -> int:
+        """The end-of-text id that closes every document in the packed stream."""
+        return self.manifest["eot_id"]
+
+    @property
     def tokenizer(self) -> str:
         return self.manifest["tokenizer"]
 

@@ -14,6 +14,7 @@ from raymp.config import ConfigError, RunConfig, config_from_dict, load_config
 from raymp.data import DataPosition
 from raymp.driver.feed import DataFeed
 from raymp.models import model_args, model_spec
+from raymp.models.masks import document_eot
 from raymp.models.shape import model_shape
 from raymp.runtime.actor_group import ActorGroup
 from raymp.runtime.cluster import host_memory_problem
@@ -94,7 +95,8 @@ class Launcher:
 
         def set_up():
             # The validated config itself: the ranks do not validate it again.
-            return group.call("setup", cfg, vocab, timeout_s=r.setup_timeout_s, knob=SETUP_KNOB)
+            return group.call("setup", cfg, vocab, document_eot(cfg, feed.data), timeout_s=r.setup_timeout_s,
+                              knob=SETUP_KNOB)
 
         infos = set_up()
         restored = restore_newest_intact(group, self.lineage.candidates(), set_up, self.say, r.setup_timeout_s)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from raymp.models.masks import hf_masks
 from raymp.models.spec import EMBEDDING, HEAD, ModelSpec, generic_initial_value
 
 LLAMA_LIKE = ("llama", "qwen2", "mistral")
@@ -134,30 +135,24 @@ class LlamaLikeLM(nn.Module):
         # Qwen2 says per layer; Mistral slides on every layer when it has a window.
         sliding = "sliding_attention" if config.model_type == "mistral" and config.sliding_window else "full_attention"
         self.layer_types = list(getattr(config, "layer_types", None) or [sliding] * len(inner.layers))
+        # Under sequence parallelism hidden states hold 1/tp of the sequence between layers; the
+        # rotary tables and masks are for the whole of it (attention sees it gathered).
+        self.sequence_shards = 1
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        first = self.tok_embeddings is not None
+        seq = x.shape[1] if first else x.shape[1] * self.sequence_shards
+        h = self.tok_embeddings(x) if first else x
+        positions = torch.arange(seq, device=h.device).unsqueeze(0)
         rope = self.rotary(h, positions)
-        masks = self._masks(h, positions)
+        whole = h.new_empty(h.shape[0], seq, 1)  # what the mask builders read: batch, length, dtype
+        masks = hf_masks(self.hf_config, {self.layer_types[int(i)] for i in self.layers}, whole, positions, document_ids)
         for index, layer in self.layers.items():
             h = layer(h, attention_mask=masks[self.layer_types[int(index)]], position_embeddings=rope,
                       position_ids=positions)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
-
-    def _masks(self, h: torch.Tensor, positions: torch.Tensor) -> dict:
-        """By layer type: None for full attention (transformers' SDPA attention is causal when
-        given no mask), and transformers' own sliding-window mask where layers slide."""
-        masks = {"full_attention": None}
-        if "sliding_attention" in self.layer_types:
-            from transformers.masking_utils import create_sliding_window_causal_mask
-
-            masks["sliding_attention"] = create_sliding_window_causal_mask(
-                config=self.hf_config, inputs_embeds=h, attention_mask=None, past_key_values=None,
-                position_ids=positions)
-        return masks
 
 
 class FusedQKV(nn.Module):
@@ -191,52 +186,21 @@ class GPT2LikeLM(nn.Module):
         self.layers = nn.ModuleDict({str(i): block for i, block in enumerate(t.h)})
         self.norm = t.ln_f
         self.output = hf_model.lm_head
+        self.hf_config = hf_model.config
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         if self.tok_embeddings is not None:
             positions = torch.arange(x.shape[1], device=x.device)
             x = self.embed_dropout(self.tok_embeddings(x) + self.pos_embeddings(positions))
+        mask = None
+        if document_ids is not None:
+            mask = hf_masks(self.hf_config, {"full_attention"}, x,
+                            torch.arange(x.shape[1], device=x.device).unsqueeze(0), document_ids)["full_attention"]
         for layer in self.layers.values():
-            x = layer(x)
+            x = layer(x, attention_mask=mask)
         if self.norm is not None:
             x = self.norm(x)
         return self.output(x) if self.output is not None else x
-
-
-# -- tensor-parallel plans ------------------------------------------------------------------------
-
-
-def _top_plan(module) -> dict:
-    """Vocabulary-parallel embedding (output whole, as the blocks take it) and head (logits
-    left sharded over the vocabulary for raymp's loss_parallel cross-entropy)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    plan = {}
-    if module.tok_embeddings is not None:
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    if module.output is not None:
-        plan["output"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
-    return plan
-
-
-def _llama_block_plan() -> dict:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    # Megatron: q/k/v and gate/up split by output (heads, hidden units), o/down by input; the
-    # attention's view(..., -1, head_dim) then sees this rank's heads only.
-    return {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel()}
-
-
-def _gpt2_block_plan() -> dict:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    return {"attn.c_attn.q": ColwiseParallel(), "attn.c_attn.k": ColwiseParallel(),
-            "attn.c_attn.v": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
-            "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()}
 
 
 # -- names and layouts in Hugging Face files ------------------------------------------------------
@@ -373,13 +337,17 @@ class HFSpec(ModelSpec):
     def tensor_parallel(self, module: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
         from torch.distributed.tensor.parallel import parallelize_module
 
+        from raymp.models.hf_tp import gpt2_block_plan, llama_block_plan, top_plan
+
         gpt2 = self.model_type == "gpt2"
-        block_plan = _gpt2_block_plan() if gpt2 else _llama_block_plan()
+        block_plan = gpt2_block_plan() if gpt2 else llama_block_plan(sequence_parallel)
         for block in module.layers.values():
             parallelize_module(block, tp_mesh, block_plan)
             if gpt2:
                 block.attn.split_size = block.attn.embed_dim // tp_mesh.size()
-        parallelize_module(module, tp_mesh, _top_plan(module))
+        parallelize_module(module, tp_mesh, top_plan(module, sequence_parallel))
+        if sequence_parallel:
+            module.sequence_shards = tp_mesh.size()
 
 
 def export_hf(weights: dict[str, torch.Tensor], hf_config, out_dir: str | os.PathLike) -> Path:

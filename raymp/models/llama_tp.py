@@ -21,9 +21,10 @@ def block_plan(sequence_parallel: bool) -> dict:
     whole sequence (replicated) or, with sequence parallelism, this rank's slice of it."""
     between = Shard(1) if sequence_parallel else Replicate()
     plan = {
-        # forward(x, cos, sin): x is gathered to the full sequence; the RoPE tables are plain.
-        "attention": PrepareModuleInput(input_layouts=(between, None, None),
-                                        desired_input_layouts=(Replicate(), None, None)),
+        # forward(x, cos, sin, mask): x is gathered to the full sequence; the RoPE tables and
+        # the mask (whole sequence, built from the replicated tokens) are plain.
+        "attention": PrepareModuleInput(input_layouts=(between, None, None, None),
+                                        desired_input_layouts=(Replicate(), None, None, None)),
         "attention.wq": ColwiseParallel(),  # each rank: n_heads/tp query heads
         "attention.wk": ColwiseParallel(),  # and n_kv_heads/tp key/value heads
         "attention.wv": ColwiseParallel(),

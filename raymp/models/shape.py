@@ -20,7 +20,9 @@ def model_shape(model_cfg, vocab_size: int | None, tokenizer: str | None = None)
         where = "model.hf_config" if model_cfg.hf_config is not None else f"config.json of model.hf ({model_cfg.hf})"
         sizes = tuple((name, size, False) for name, size in tensor_parallel_dims(hf).items())
         layers = "n_layer" if hf.model_type == "gpt2" else "num_hidden_layers"
-        return ModelShape(model_cfg.n_layers, sizes, sequence_parallel=False,
+        # Llama-like glue plans sequence parallelism; GPT-2's adds learned positions to each
+        # slice of the sequence, which it does not plan.
+        return ModelShape(model_cfg.n_layers, sizes, sequence_parallel=hf.model_type != "gpt2",
                           kind=f"the Hugging Face {hf.model_type} model", layers_field=f"{layers} in {where}", sizes_in=where)
     vocab_entry = () if vocab is None else ((
         "model.vocab_size" if model_cfg.vocab_size else f"the vocabulary of the {tokenizer or 'data'} tokenizer",

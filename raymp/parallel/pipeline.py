@@ -195,8 +195,13 @@ class TimedStage(PipelineStage):
     def __init__(self, *args, clock: StepClock, meter: ActivationMeter, autocast_dtype=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.clock, self.meter, self.autocast_dtype = clock, meter, autocast_dtype
+        # Set per step when documents are masked: each micro-batch's document ids, handed to the
+        # stage's forward here (torch's schedules pass step() keywords to the first stage only).
+        self.micro_batch_document_ids = None
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
+        if self.micro_batch_document_ids is not None:
+            kwargs = {**(kwargs or {}), "document_ids": self.micro_batch_document_ids[fwd_chunk_id]}
         with self.clock.span(self.stage_index, "F", fwd_chunk_id), self.meter.hooks(), autocast_context(self.device, self.autocast_dtype):
             return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
 

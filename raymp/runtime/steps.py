@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from raymp.loss import lm_loss
+from raymp.models.masks import document_ids, mask_kwargs
 from raymp.models.spec import build_part
 from raymp.parallel.checkpointing import apply_activation_checkpointing
 from raymp.parallel.pipeline import ActivationMeter, autocast_context
@@ -51,8 +52,8 @@ class LocalStep:
 
     counted_elsewhere: tuple = ()
 
-    def __init__(self, cfg, spec, mesh, coords, device):
-        self.cfg, self.device = cfg, device
+    def __init__(self, cfg, spec, mesh, coords, device, document_eot: int | None = None):
+        self.cfg, self.device, self.document_eot = cfg, device, document_eot
         model = _build(spec, cfg, mesh, device)
         self.num_params = spec.num_params()
         self.tied_embeddings = spec.tie_embeddings
@@ -74,7 +75,7 @@ class LocalStep:
         for i, batch in enumerate(micro):
             with self.engine.no_sync(i == n - 1), loss_context(self.cfg.parallel.tp):
                 with autocast_context(self.device, self._autocast_dtype), self.meter.hooks():
-                    logits = self.engine.model(batch[:, :-1])
+                    logits = self.engine.model(batch[:, :-1], **mask_kwargs(batch[:, :-1], self.document_eot))
                     loss = self.loss_meter.measure(lm_loss, logits, batch[:, 1:])
                 del logits
                 (loss / n).backward()
@@ -90,7 +91,8 @@ class LocalStep:
         total = 0.0
         for batch in micro:
             with loss_context(self.cfg.parallel.tp), autocast_context(self.device, self._autocast_dtype):
-                total += float(local_tensor(lm_loss(self.engine.model(batch[:, :-1]), batch[:, 1:])))
+                logits = self.engine.model(batch[:, :-1], **mask_kwargs(batch[:, :-1], self.document_eot))
+                total += float(local_tensor(lm_loss(logits, batch[:, 1:])))
         return total / len(micro)
 
 
@@ -144,12 +146,14 @@ def _tied_group(dims, coords):
 class PipelineStep:
     """pp > 1: this rank's stages (one, or two/v for V-shaped/interleaved schedules), each a
     pruned copy of the model wrapped for dp/ZeRO, run by the configured schedule. Only the
-    first stage reads data; it sends the labels straight to the last stage."""
+    first stage reads data; it sends the labels straight to the last stage and, when documents
+    are masked, their document ids to every other stage."""
 
     LABEL_TAG = 7  # keeps the label message apart from the schedule's activation traffic
     EVAL_TAG = 8
+    DOCUMENT_TAG = 9
 
-    def __init__(self, cfg, spec, mesh, coords, device, dims):
+    def __init__(self, cfg, spec, mesh, coords, device, dims, document_eot: int | None = None):
         from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
         from raymp.parallel.pipeline import (
@@ -158,7 +162,7 @@ class PipelineStep:
         from raymp.models.spec import keep_only
 
         p = cfg.parallel
-        self.cfg, self.device, self.dims = cfg, device, dims
+        self.cfg, self.device, self.dims, self.document_eot = cfg, device, dims, document_eot
         self.pp_rank = coords["pp"]
         self.pp_group = mesh["pp"].get_group()
         num_stages = p.num_stages
@@ -175,7 +179,7 @@ class PipelineStep:
         self.clock, self.meter = StepClock(), ActivationMeter()
         self.loss_meter = LossMeter()
         self._autocast_dtype = _autocast_dtype(cfg)
-        stages = [
+        self.stages = stages = [
             TimedStage(model, s, num_stages, device, group=self.pp_group, clock=self.clock,
                        meter=self.meter, autocast_dtype=self._autocast_dtype)
             for s, model in zip(self.stage_ids, self.engine.models)
@@ -215,18 +219,29 @@ class PipelineStep:
 
     def _inputs_and_labels(self, tokens):
         """The first stage splits its batch and sends the labels to the last stage, which
-        receives them; stages in between get neither. Returns (inputs, labels, pending send)."""
+        receives them; stages in between get neither. When documents are masked every stage
+        gets the batch's document ids. Returns (inputs, labels, document ids, pending sends)."""
         p, t = self.cfg.parallel, self.cfg.train
-        inputs = labels = send = None
+        inputs = labels = doc_ids = None
+        sends = []
+        local_shape = (t.global_batch_size // p.dp, t.seq_len)
         if self.is_first:
             batch = torch.from_numpy(np.asarray(tokens).astype(np.int64)).to(self.device)
             inputs, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
             if not self.is_last:
-                send = dist.isend(labels, group=self.pp_group, group_dst=self.last_pp_rank, tag=self.LABEL_TAG)
-        elif self.is_last:
-            labels = torch.empty(t.global_batch_size // p.dp, t.seq_len, dtype=torch.int64, device=self.device)
-            dist.recv(labels, group=self.pp_group, group_src=0, tag=self.LABEL_TAG)
-        return inputs, labels, send
+                sends.append(dist.isend(labels, group=self.pp_group, group_dst=self.last_pp_rank, tag=self.LABEL_TAG))
+            if self.document_eot is not None:
+                doc_ids = document_ids(inputs, self.document_eot)
+                sends += [dist.isend(doc_ids, group=self.pp_group, group_dst=r, tag=self.DOCUMENT_TAG)
+                          for r in range(1, p.pp)]
+        else:
+            if self.is_last:
+                labels = torch.empty(local_shape, dtype=torch.int64, device=self.device)
+                dist.recv(labels, group=self.pp_group, group_src=0, tag=self.LABEL_TAG)
+            if self.document_eot is not None:
+                doc_ids = torch.empty(local_shape, dtype=torch.int64, device=self.device)
+                dist.recv(doc_ids, group=self.pp_group, group_src=0, tag=self.DOCUMENT_TAG)
+        return inputs, labels, doc_ids, sends
 
     @torch.no_grad()
     def evaluate(self, tokens) -> float | None:
@@ -238,7 +253,7 @@ class PipelineStep:
         from raymp.parallel.pipeline import stage_to_pp_rank
 
         p = self.cfg.parallel
-        inputs, labels, send = self._inputs_and_labels(tokens)
+        inputs, labels, doc_ids, sends = self._inputs_and_labels(tokens)
         n = self.micro_batches
         owner = [stage_to_pp_rank(s, p.pp, p.schedule) for s in range(p.num_stages)]
         modules = dict(zip(self.stage_ids, self.engine.models))
@@ -252,12 +267,12 @@ class PipelineStep:
                     x = self._recv_activation(owner[s - 1])
                 last = s == p.num_stages - 1
                 with autocast_context(self.device, self._autocast_dtype), loss_context(p.tp if last else 1):
-                    x = modules[s](x)
+                    x = modules[s](x, **({} if doc_ids is None else {"document_ids": doc_ids.chunk(n)[mb]}))
                     if last:
                         losses.append(float(local_tensor(lm_loss(x, labels.chunk(n)[mb]))))
                 if s < p.num_stages - 1 and owner[s + 1] != self.pp_rank:
                     self._send_activation(x, owner[s + 1])
-        if send is not None:
+        for send in sends:
             send.wait()
         return sum(losses) / len(losses) if self.is_last else None
 
@@ -277,7 +292,9 @@ class PipelineStep:
 
     def forward_backward(self, tokens) -> dict:
         p = self.cfg.parallel
-        inputs, labels, send = self._inputs_and_labels(tokens)
+        inputs, labels, doc_ids, sends = self._inputs_and_labels(tokens)
+        for stage in self.stages:
+            stage.micro_batch_document_ids = None if doc_ids is None else doc_ids.chunk(self.micro_batches)
         # A common start line, so the ranks' clocks describe one timeline.
         dist.barrier(group=self.pp_group)
         self.clock.restart()
@@ -289,7 +306,7 @@ class PipelineStep:
         with loss_context(p.tp if self.is_last else 1):
             self.schedule.step(*args, target=labels if self.is_last else None,
                                losses=losses if self.is_last else None)
-        if send is not None:
+        for send in sends:
             send.wait()
         self.engine.finish_gradients()
         self._sync_tied_grads()

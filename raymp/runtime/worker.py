@@ -128,9 +128,10 @@ class Worker:
 
     # -- model set-up -----------------------------------------------------------------------
 
-    def setup(self, cfg, vocab_size: int) -> dict:
+    def setup(self, cfg, vocab_size: int, document_eot: int | None = None) -> dict:
         """Build this rank's part of the model + optimizer from the RunConfig the driver validated
-        (sent as the object: not validated again). Re-callable: a reused actor group can train
+        (sent as the object: not validated again); `document_eot`: the end-of-text id when
+        documents are masked (data.document_mask). Re-callable: a reused actor group can train
         another config without restarting processes."""
         import torch
 
@@ -152,9 +153,9 @@ class Worker:
             spec.build_meta()  # imports the model's code first: setup_peak_bytes counts memory, not code
         rss_before = _reset_peak_rss()
         if p.pp > 1:
-            self.program = PipelineStep(cfg, spec, mesh, self.coords, self.device, dims)
+            self.program = PipelineStep(cfg, spec, mesh, self.coords, self.device, dims, document_eot)
         else:
-            self.program = LocalStep(cfg, spec, mesh, self.coords, self.device)
+            self.program = LocalStep(cfg, spec, mesh, self.coords, self.device, document_eot)
         self.engine = self.program.engine
         self.scheduler = build_scheduler(self.engine.optimizer, cfg.optimizer, cfg.train.steps)
         if self.stream is not None:

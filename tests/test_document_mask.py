@@ -1,0 +1,137 @@
+"""Document masking for packed samples (data.document_mask): a token attends only within its own
+document. The masked logits equal each document run alone (transformers' own forward for the
+Hugging Face families, sliding windows included), and every layout trains as one process does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from raymp.config import ConfigError, config_from_dict  # noqa: E402
+from raymp.models import build_model  # noqa: E402
+from raymp.models.builtin import BuiltinSpec  # noqa: E402
+from raymp.models.hf import HFSpec, load_hf_config, to_hf_state_dict  # noqa: E402
+from raymp.models.llama import ModelArgs  # noqa: E402
+from raymp.models.masks import document_ids  # noqa: E402
+from raymp.reference import single_process_val_loss, train_single_process  # noqa: E402
+from raymp.trainer import Trainer  # noqa: E402
+from test_hf_models import FAMILIES, SLIDING, WEIGHT_ATOL, hf_run  # noqa: E402
+from test_parity_dp import LOSS_RTOL, assert_losses_match, assert_weights_match  # noqa: E402
+
+EOT = 7
+HF_CONFIGS = {**FAMILIES, **{f"{name}-window8": {**cfg, "sliding_window": 8} for name, cfg in SLIDING.items()}}
+
+
+def packed_tokens() -> torch.Tensor:
+    """Two rows of 32 tokens: three documents in the first, two in the second."""
+    tokens = torch.randint(EOT + 1, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    tokens[0, 5] = tokens[0, 20] = tokens[1, 12] = EOT
+    return tokens
+
+
+def documents(row: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) of each document in a row of tokens."""
+    ends = [int(i) + 1 for i in (row == EOT).nonzero().flatten()]
+    bounds = [0, *ends] + ([] if ends and ends[-1] == len(row) else [len(row)])
+    return list(zip(bounds, bounds[1:]))
+
+
+def test_document_ids_close_each_document_at_its_end_of_text():
+    ids = document_ids(packed_tokens(), EOT)
+    assert ids[0].tolist() == [0] * 6 + [1] * 15 + [2] * 11
+    assert ids[1].tolist() == [0] * 13 + [1] * 19
+
+
+def test_builtin_model_sees_each_document_alone():
+    """RoPE scores depend on relative positions only: a document's logits inside the packed
+    row equal those of the document run by itself; without the mask they do not."""
+    args = ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64)
+    model = build_model(BuiltinSpec(args, 1), 1).eval()
+    tokens = packed_tokens()
+    with torch.no_grad():
+        masked, plain = model(tokens, document_ids=document_ids(tokens, EOT)), model(tokens)
+        for b in range(len(tokens)):
+            for start, end in documents(tokens[b]):
+                alone = model(tokens[b:b + 1, start:end])
+                torch.testing.assert_close(masked[b:b + 1, start:end], alone, rtol=0, atol=1e-5)
+    assert (masked - plain).abs().max() > 0.1  # the later documents did see the earlier ones
+
+
+@pytest.mark.parametrize("family", HF_CONFIGS)
+def test_hf_model_sees_each_document_alone_as_transformers_computes_it(family):
+    """Each document's logits equal transformers' own forward of that document alone at its
+    positions in the row (sliding windows of 8 inside documents of up to 19 tokens)."""
+    spec = HFSpec(load_hf_config(None, HF_CONFIGS[family]), None, seed=3)
+    model = build_model(spec, 3).eval()
+    reference = transformers.AutoModelForCausalLM.from_config(spec.hf_config, attn_implementation="sdpa").eval()
+    reference.load_state_dict(to_hf_state_dict(spec.model_type, model.state_dict(), spec.tie_embeddings),
+                              strict=False)
+    tokens = packed_tokens()
+    with torch.no_grad():
+        masked = model(tokens, document_ids=document_ids(tokens, EOT))
+        for b in range(len(tokens)):
+            for start, end in documents(tokens[b]):
+                alone = reference(tokens[b:b + 1, start:end], position_ids=torch.arange(start, end)[None]).logits
+                torch.testing.assert_close(masked[b:b + 1, start:end], alone, rtol=0, atol=1e-5)
+
+
+def test_document_mask_with_a_factory_model_is_refused():
+    with pytest.raises(ConfigError, match="data.document_mask needs the built-in model or a Hugging Face one"):
+        config_from_dict({"model": {"factory": "helpers.custom_model:build"}, "data": {"document_mask": True}})
+
+
+# -- parity against one process -------------------------------------------------------------------
+
+MASKED = {"document_mask": True}
+
+
+def check_masked_parity(cfg: dict, group, weight_atol=2e-5) -> list[float]:
+    """5 fp32 steps and a validation pass at the end: losses within 1e-5 relative of one
+    process masking the same documents, the same final weights, the same held-out loss."""
+    cfg["train"].update(eval_every=5, eval_batches=1)
+    with Trainer(cfg, actor_group=group, progress=False) as trainer:
+        history = trainer.fit()
+        state = trainer.state_dict()
+    ref_losses, ref_state = train_single_process(config_from_dict(cfg))
+    assert_losses_match([m["loss"] for m in history], ref_losses, LOSS_RTOL)
+    assert_weights_match(state, ref_state, atol=weight_atol)
+    assert history[-1]["val_loss"] == pytest.approx(single_process_val_loss(config_from_dict(cfg), state), rel=1e-5)
+    return ref_losses
+
+
+def test_masking_changes_what_one_process_trains(tiny_cfg):
+    """KJV bytes: a newline ends each verse, so 33-token samples often hold two documents."""
+    on, _ = train_single_process(config_from_dict(tiny_cfg(data=MASKED)), steps=2)
+    off, _ = train_single_process(config_from_dict(tiny_cfg()), steps=2)
+    assert abs(on[1] - off[1]) > 1e-4 * abs(off[1]), (on, off)
+
+
+BUILTIN_LAYOUTS = {
+    "dp2-zero3": {"dp": 2, "zero": 3, "micro_batch_size": 2},
+    "tp2-sp": {"dp": 1, "tp": 2, "sequence_parallel": True, "micro_batch_size": 2},
+    "pp2-1f1b": {"dp": 1, "pp": 2, "micro_batch_size": 1, "schedule": "1f1b"},
+    # V-shaped: rank 0 holds the first and the last stage, rank 1 the two in between.
+    "pp2-zbv": {"dp": 1, "pp": 2, "micro_batch_size": 2, "schedule": "zbv"},
+}
+
+
+@pytest.mark.parametrize("layout", BUILTIN_LAYOUTS)
+def test_builtin_model_with_document_mask_matches_single_process(layout, group2, tiny_cfg):
+    cfg = tiny_cfg(parallel=BUILTIN_LAYOUTS[layout], data=MASKED)
+    cfg["model"]["vocab_size"] = 256
+    check_masked_parity(cfg, group2, weight_atol=2e-4 if "tp" in layout else 2e-5)
+
+
+HF_LAYOUTS = {
+    "mistral-window16-tp2": (SLIDING["mistral"], {"dp": 1, "tp": 2, "micro_batch_size": 2}),
+    "gpt2-pp2": (FAMILIES["gpt2"], {"dp": 1, "pp": 2, "micro_batch_size": 1, "schedule": "1f1b"}),
+}
+
+
+@pytest.mark.parametrize("case", HF_LAYOUTS)
+def test_hf_model_with_document_mask_matches_single_process(case, group2, tiny_cfg):
+    hf_config, parallel = HF_LAYOUTS[case]
+    check_masked_parity(hf_run(tiny_cfg, {"hf_config": hf_config}, parallel, data=MASKED), group2,
+                        weight_atol=WEIGHT_ATOL)
