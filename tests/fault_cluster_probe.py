@@ -42,8 +42,8 @@ class SlowWriteWorker(Worker):
     exists: a save stays in flight on demand. Defined in the probe's __main__, so Ray ships the
     class by value."""
 
-    def setup(self, cfg, vocab_size: int) -> dict:
-        info = super().setup(cfg, vocab_size)
+    def setup(self, cfg, vocab_size: int, *args) -> dict:
+        info = super().setup(cfg, vocab_size, *args)
         make_writer = self.checkpointer.writer_factory
         release = cfg.output_dir + "/release-writes"
 
