@@ -1,5 +1,6 @@
 """End to end as a cluster user runs it, following cluster/README.md: a token, a 0-CPU head and a
-worker node started with `ray start` (own temp dirs and ports), the tiny config submitted with `ray job submit`,
+worker node started with `ray start` (own temp dirs and ports), a client environment with Ray and no
+raymp, the tiny config submitted from it with `ray job submit`,
 followed to SUCCEEDED with its MLflow run checked; a second job stopped mid-run with
 `ray job stop` (ends STOPPED, MLflow run KILLED, no actor left alive); then the head is stopped.
 The head runs in its own process group so stopping it never touches the test session's Ray."""
@@ -28,6 +29,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def client_without_raymp(root: Path) -> Path:
+    """A client environment in which Ray imports and raymp does not, as on a laptop that only has
+    `pip install "ray[default]"`: a venv whose one .pth line adds this environment's
+    site-packages as a plain path. Python runs .pth files only in site directories, so the
+    editable install's finder there never runs and `import raymp` fails; no download needed. Its
+    `ray` is a launcher of Ray's own CLI. Returns the directory of its `python` and `ray`."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
+    import ray
+
+    packages = Path(ray.__file__).resolve().parent.parent
+    (next(root.glob("lib/python*/site-packages")) / "cluster_packages.pth").write_text(f"{packages}\n")
+    ray_cli = root / "bin" / "ray"
+    ray_cli.write_text(f"#!{root / 'bin' / 'python'}\nimport sys\nfrom ray.scripts.scripts import main\n"
+                       "sys.exit(main())\n")
+    ray_cli.chmod(0o755)
+    return root / "bin"
+
+
 def _stop(process) -> None:
     os.killpg(process.pid, signal.SIGTERM)
     try:
@@ -49,9 +68,17 @@ def ray_head():
     # RAY_JOB_STOP_WAIT_TIME_S, as cluster/README.md says to start a head: `ray job stop` waits this
     # long after SIGTERM before SIGKILL (3 s by default), room for the stopped run to commit its save
     # and mark its MLflow run KILLED on a busy machine (at 3 s, CI once found the run still RUNNING).
+    # PATH: the nodes have raymp installed, as after `pip install raymp` on each node (the job's
+    # entrypoint runs in the head's environment); the client has only Ray (client_without_raymp).
     env = {**os.environ, "HOME": str(home), "RAY_AUTH_MODE": "token", "RAY_ADDRESS": "",
+           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
            "RAY_JOB_STOP_WAIT_TIME_S": "60"}
     env.pop("PYTHONPATH", None)  # the client job runs with the cluster's environment, not this one
+    client_bin = client_without_raymp(Path(temp, "client"))
+    check = subprocess.run([str(client_bin / "python"), "-c", "import ray, importlib.util as u; "
+                            "print(u.find_spec('raymp') is None)"], env=env, capture_output=True, text=True,
+                           cwd=temp, timeout=120)
+    assert check.stdout.strip() == "True", f"the client environment is not Ray-only: {check.stdout}{check.stderr}"
     token = subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=env, capture_output=True,
                            text=True, timeout=60).stdout.strip()
     assert len(token) >= 32, "ray get-auth-token --generate gave no token"
@@ -66,12 +93,13 @@ def ray_head():
          "--num-cpus=0", *agent()],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     node_env = {**env, "RAY_AUTH_TOKEN": token}
-    client_env = {**node_env, "RAY_ADDRESS": f"http://127.0.0.1:{dash}"}
+    client_env = {**node_env, "RAY_ADDRESS": f"http://127.0.0.1:{dash}", "RAYMP_TEST_CLIENT_BIN": str(client_bin),
+                  "PATH": f"{client_bin}{os.pathsep}{os.environ.get('PATH', '')}"}
     worker = None
     try:
         deadline = time.time() + 120
         while True:  # the job server answers once the dashboard is up
-            probe = subprocess.run([str(BIN / "ray"), "job", "list"], env=client_env, capture_output=True, text=True)
+            probe = ray_cli(client_env, "job", "list")
             if probe.returncode == 0:
                 break
             assert time.time() < deadline, "the Ray head did not come up within 120 s"
@@ -93,8 +121,10 @@ def ray_head():
 
 
 def ray_cli(env, *args, timeout=300):
-    return subprocess.run([str(BIN / "ray"), *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+    """`ray` as the client runs it (Ray only, no raymp) where the env is the client's, else the
+    cluster nodes' own."""
+    ray = Path(env.get("RAYMP_TEST_CLIENT_BIN", BIN)) / "ray"
+    return subprocess.run([str(ray), *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
 def submit(env, *args):
