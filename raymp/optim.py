@@ -19,7 +19,9 @@ def param_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:
 
 
 def adamw_kwargs(opt_cfg) -> dict:
-    return dict(lr=opt_cfg.lr, betas=(opt_cfg.beta1, opt_cfg.beta2), eps=opt_cfg.eps)
+    """fused=None, not False, when off: torch then picks its multi-tensor (foreach) loop."""
+    return dict(lr=opt_cfg.lr, betas=(opt_cfg.beta1, opt_cfg.beta2), eps=opt_cfg.eps,
+                fused=True if opt_cfg.fused else None)
 
 
 def build_optimizer(params, opt_cfg) -> torch.optim.Optimizer:

@@ -264,7 +264,7 @@ class Trainer:
                         self.group.backend, self.config.parallel.stage_layers)
 
     def summary(self) -> str:
-        return summary(self.history, self.feed.eval_batches, self.data.manifest, self.data_position(), self.tracking)
+        return summary(self.history, self.feed, self.data.manifest, self.tracking, self.config.train.compile)
 
     # -- tear-down ----------------------------------------------------------------------------
 

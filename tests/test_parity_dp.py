@@ -32,11 +32,12 @@ def assert_weights_match(state, ref_state, atol):
         torch.testing.assert_close(state[name].float(), ref.float(), rtol=0, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
-def check_parity(cfg, group, weight_atol=2e-5):
-    """5 fp32 steps: losses within LOSS_RTOL of the single-process run, final weights within
-    weight_atol, and the run learned something. Returns the parallel run's history."""
+def check_parity(cfg, group, weight_atol=2e-5, reference: dict | None = None):
+    """5 fp32 steps: losses within LOSS_RTOL of the single-process run (of `reference` where
+    given, else of cfg), final weights within weight_atol, and the run learned something.
+    Returns the parallel run's history."""
     losses, history, state = run_parallel(cfg, group)
-    ref_losses, ref_state = train_single_process(config_from_dict(cfg))
+    ref_losses, ref_state = train_single_process(config_from_dict(reference or cfg))
     assert_losses_match(losses, ref_losses, LOSS_RTOL)
     assert_weights_match(state, ref_state, atol=weight_atol)
     assert losses[-1] < losses[0]

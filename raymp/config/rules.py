@@ -58,6 +58,19 @@ def check_run(cfg) -> None:
             "forward each token's document id); a model.factory module takes tokens only: set "
             "data.document_mask=false"
         )
+    if t.compile and p.sequence_parallel:
+        raise ValueError(
+            "train.compile with parallel.sequence_parallel is not supported: under torch 2.13 a compiled "
+            "attention or MLP fed by a sequence-parallel norm gets a wrong input gradient (measured: "
+            "training diverges from eager at step 1); set train.compile=false or "
+            "parallel.sequence_parallel=false"
+        )
+    if t.compile and m.factory is not None and p.tp > 1:
+        raise ValueError(
+            "train.compile with a model.factory module under parallel.tp > 1 is not supported: raymp "
+            "compiles a factory module whole, and torch miscompiles a tensor-parallel module compiled "
+            "whole; set train.compile=false or parallel.tp=1"
+        )
     if problem := vocab_too_small(m.vocab_size, tokenizer, TOKENIZER_VOCAB.get(tokenizer)):
         raise ValueError(problem)
 

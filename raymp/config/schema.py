@@ -151,6 +151,8 @@ class OptimizerConfig(_Strict):
     eps: float = Field(1e-8, gt=0)
     grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm; null disables")
     cpu_offload: bool = Field(False, description="keep optimizer state in host memory (zero 2/3)")
+    fused: bool = Field(False, description="torch's fused AdamW kernel (CPU and CUDA): one kernel for all "
+                        "parameters instead of a loop of element-wise ops")
 
 
 class TrainingConfig(_Strict):
@@ -160,6 +162,8 @@ class TrainingConfig(_Strict):
     log_every: int = Field(10, ge=1)
     eval_every: int = Field(0, ge=0, description="steps between validation losses; 0: only at the end")
     eval_batches: int = Field(1, ge=0, description="global batches of held-out data per validation; 0: none")
+    compile: bool = Field(False, description="torch.compile each transformer block; the first step pays "
+                          "for compiling (reported in the summary)")
 
 
 class DataConfig(_Strict):

@@ -34,10 +34,13 @@ def steady_median(history: list[dict], key: str) -> float:
     return sorted(m[key] for m in tail)[len(tail) // 2]
 
 
-def summary(history: list[dict], eval_batches: int, manifest: dict, position, tracking) -> str:
+def summary(history: list[dict], feed, manifest: dict, tracking, compiled: bool = False) -> str:
+    """The end-of-run lines: losses, throughput, data position, compile cost, memory, MLflow run.
+    `feed`: the run's data feed (held-out batches, position in the data)."""
     if not history:
         return "no steps run"
     h = history
+    eval_batches, position = feed.eval_batches, feed.position()
     tps = steady_median(h, "tokens_per_s")
     last = h[-1]
     lines = [f"done: {len(h)} steps, loss {h[0]['loss']:.4f} -> {last['loss']:.4f}, median {tps:,.0f} "
@@ -47,6 +50,10 @@ def summary(history: list[dict], eval_batches: int, manifest: dict, position, tr
         (f"validation loss {vals[-1]:.4f} on {eval_batches} held-out batch(es); " if vals else "")
         + f"data: {manifest['tokens']:,} tokens, epoch {position.epoch} offset {position.offset}; "
         f"median data wait {steady_median(h, 'data_wait_fraction'):.1%} of step time")
+    if compiled and len(h) > 1:
+        steady = steady_median(h, "step_time_s")
+        lines.append(f"train.compile: the first step took {h[0]['step_time_s']:.1f} s (compiling the blocks), "
+                     f"about {max(0.0, h[0]['step_time_s'] - steady):.1f} s more than a steady step ({steady:.3f} s)")
     lines.append(
         f"model state + activations per rank: measured {last['memory_measured_bytes_max'] / 2**20:.1f} MiB, "
         f"planner estimate {last['memory_estimate_bytes_max'] / 2**20:.1f} MiB (max over ranks)")

@@ -13,6 +13,7 @@ from raymp.loss import lm_loss
 from raymp.models.masks import document_ids, mask_kwargs
 from raymp.models.spec import build_part
 from raymp.parallel.checkpointing import apply_activation_checkpointing
+from raymp.parallel.compile import apply_compile
 from raymp.parallel.pipeline import ActivationMeter, autocast_context
 from raymp.parallel.tensor import loss_context
 from raymp.parallel.zero import apply_data_parallel, local_tensor
@@ -32,11 +33,14 @@ def _build(spec, cfg, mesh, device, prune=None):
 
 
 def _parallelize(modules, spec, cfg, mesh, device, zero_bubble: bool = False):
-    """Activation checkpointing, then data parallel / ZeRO (after TP: torchtitan's order)."""
+    """Activation checkpointing, compilation, then data parallel / ZeRO (after TP: torchtitan's
+    order)."""
     p = cfg.parallel
-    if p.activation_checkpointing:
-        for module in modules:
+    for module in modules:
+        if p.activation_checkpointing:
             apply_activation_checkpointing(module, spec.block_names(module))
+        if cfg.train.compile:
+            apply_compile(module, spec.block_names(module), tensor_parallel=p.tp > 1)
     return apply_data_parallel(
         modules, mesh["dp"], cfg.optimizer, p.zero, device,
         torch.bfloat16 if cfg.precision == "bf16" else None, spec.block_names,
