@@ -170,7 +170,7 @@ def _runs(args) -> int:
 
 
 def _checkpoint(args) -> int:
-    from raymp.checkpoint.store import CheckpointError, CheckpointStore, MARKER, filesystem
+    from raymp.checkpoint.store import MARKER, CheckpointError, CheckpointStore, filesystem
 
     if args.checkpoint_command == "list":
         from raymp.checkpoint.integrity import verify
@@ -217,7 +217,7 @@ def _plan(args) -> int:
     from raymp.layout import Layout
     from raymp.models import model_args
     from raymp.models.shape import TOKENIZER_VOCAB, model_shape
-    from raymp.planner import cluster_from_config, format_plan, plan, explain
+    from raymp.planner import cluster_from_config, explain, format_plan, plan
 
     data = apply_overrides(read_config_file(args.config) if args.config else {}, args.overrides)
     data.pop("parallel", None)  # the plan chooses it

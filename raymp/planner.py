@@ -14,6 +14,7 @@ bubble and exposed TP/DP communication): good for ranking layouts, not for promi
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -325,8 +326,6 @@ def explain(args, layout: Layout, cluster: Cluster, global_batch: int, seq_len: 
             result: Plan | None = None, shape: ModelShape | None = None) -> str:
     """One layout, judged: can it run, does it fit (and what would make it fit), and how it
     compares with the plan's best."""
-    import dataclasses
-
     problem = layout_problem(args, layout, global_batch, seq_len, cluster, shape)
     if problem:
         return f"Compared layout {layout.text(detail=True)}: cannot run: {problem}."

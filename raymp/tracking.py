@@ -12,6 +12,7 @@ checkpoint.every steps for it. A run without checkpoints logs at once (a restart
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -157,8 +158,6 @@ class RunTracker:
     def log_event(self, name: str, event: dict, step: int) -> None:
         """An event of the run (a restart, a resume) as events/<name>.json, and counted in the
         `events` tag so the runs table shows which runs had any."""
-        import json
-
         self.flush()
         self.log_text(json.dumps({"step": step, **event}, indent=1, default=str), f"events/{name}.json")
         self._events += 1

@@ -8,6 +8,8 @@ to find."""
 from __future__ import annotations
 
 import logging
+import urllib.error
+import urllib.request
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -45,9 +47,6 @@ def check_tracking_store(uri: str, timeout_s: float, reading: bool = False) -> N
 
 
 def _check_server(uri: str, timeout_s: float) -> None:
-    import urllib.error
-    import urllib.request
-
     health = uri.rstrip("/") + "/health"  # what `mlflow server` answers without a query
     try:
         with urllib.request.urlopen(health, timeout=timeout_s):

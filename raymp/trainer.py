@@ -23,14 +23,15 @@ from raymp.config import RunConfig, resolved_dict
 from raymp.data import DataPosition
 from raymp.driver.feed import DataFeed
 from raymp.driver.launch import Launcher, as_config, check_vocab, num_params
-from raymp.driver.session import Session
 from raymp.driver.run_setup import check_destinations, open_lineage, removed_if_setup_fails, said_resume
+from raymp.driver.session import Session
 from raymp.driver.summary import describe, memory_rows, summary
 from raymp.driver.tracking_hooks import NoTracking, RunTracking
 from raymp.elastic.controller import ElasticController, FailurePolicy, ScalingPolicy
 from raymp.progress import StepProgress
 from raymp.runtime.actor_group import ActorGroup, WorkerLostError
 from raymp.runtime.cluster import connect, resolve_device
+from raymp.timeline import run_timeline
 
 
 class Trainer:
@@ -253,8 +254,6 @@ class Trainer:
     def timeline(self, directory: str | Path | None = None) -> dict[str, Path]:
         """Draw the last step's pipeline (dp replica 0) as timeline.png and timeline.json
         (Chrome trace) in `directory` (default: the run directory). Returns the paths."""
-        from raymp.timeline import run_timeline
-
         return run_timeline(self.last_pipeline_events, self._last_pipeline_step, self.config,
                             self.history, self.run_name, directory or self.run_dir)
 

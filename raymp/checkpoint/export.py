@@ -8,19 +8,20 @@ the full tensors. Only the model's entries are read, never the optimizer's (twic
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from raymp.checkpoint.rank_state import EMBEDDING, TIED_HEAD
 from raymp.checkpoint.store import CheckpointError, read_marker, storage_reader
+from raymp.models.hf import export_hf, load_hf_config
 
 
 def consolidated_weights(path: str) -> tuple[dict[str, torch.Tensor], dict]:
     """(full weights by name, the checkpoint's marker) of the committed checkpoint at `path`."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     checkpoint = read_marker(path)  # refuses a checkpoint whose write never finished
     reader = storage_reader(path)
     saved = reader.read_metadata().state_dict_metadata
@@ -65,10 +66,6 @@ def export_hf_dir(path: str, out: str) -> dict:
     """Write a checkpoint of a Hugging Face model (model.hf / model.hf_config) as a Hugging Face
     directory: config.json + model.safetensors, which `from_pretrained` loads. Written beside
     `out` and renamed into place, so `out` is never half a model."""
-    import shutil
-
-    from raymp.models.hf import export_hf, load_hf_config
-
     weights, meta = consolidated_weights(path)
     model = meta["config"]["model"]
     if model.get("hf") is None and model.get("hf_config") is None:

@@ -22,8 +22,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from raymp.config import ConfigError
 from raymp.checkpoint.store import Checkpoint, CheckpointError, CheckpointStore, filesystem, read_marker
+from raymp.config import ConfigError
 
 
 def _same(a: str | None, b: str | None) -> bool:

@@ -26,6 +26,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from raymp.checkpoint.integrity import rank_files
@@ -159,8 +160,6 @@ class RankCheckpointer:
     def write(self, sd: dict, path: str, step: int, async_save: bool) -> None:
         """Write a host-copied state dict (see host_copy), in the background if async_save, then
         hash the files this rank wrote (integrity.py) in the same background thread."""
-        import torch.distributed.checkpoint as dcp
-
         done: Future = Future()
 
         def hash_files(written: Future) -> None:
@@ -219,8 +218,6 @@ class RankCheckpointer:
     def load(self, path: str, program, engine, scheduler) -> dict:
         """Fill this rank's parameters, optimizer state, schedule and RNG from the checkpoint at
         `path`, whatever layout wrote it."""
-        import torch.distributed.checkpoint as dcp
-
         t0 = time.perf_counter()
         reader = storage_reader(path)
         saved = reader.read_metadata().state_dict_metadata

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
 MARKER = "raymp.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -48,7 +50,6 @@ def storage_writer(path: str):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
         return FsspecWriter(path)
-    from torch.distributed.checkpoint import FileSystemWriter
 
     return FileSystemWriter(path)
 
@@ -58,7 +59,6 @@ def storage_reader(path: str):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
         return FsspecReader(path)
-    from torch.distributed.checkpoint import FileSystemReader
 
     return FileSystemReader(path)
 

@@ -12,7 +12,9 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from raymp.config.schema import ClusterConfig, ConfigError, ModelConfig, RunConfig, TrainingConfig
-
+from raymp.models import model_args
+from raymp.models.shape import TOKENIZER_VOCAB, model_shape, probed_shape
+from raymp.planner import cluster_from_config, plan
 
 
 def _valid_keys(loc: tuple) -> list[str]:
@@ -87,8 +89,6 @@ def config_from_dict(data: dict, overrides: list[str] | None = None, source: str
 def with_model_shape(model: dict) -> dict:
     """A `model` section with the shape fields of the Hugging Face model or factory module it
     names read off the model; other sections as they are (a preset fills them in the schema)."""
-    from raymp.models.shape import probed_shape
-
     sources = [k for k in ("hf", "hf_config", "factory") if model.get(k) is not None]
     if len(sources) != 1 or (sources[0] == "factory" and model.get("preset", "tiny") is not None):
         return model  # several sources: the schema says so; a factory with a preset: its shape
@@ -104,10 +104,6 @@ def with_model_shape(model: dict) -> dict:
 
 def _resolve_auto_layout(data: dict) -> dict:
     """`parallel: auto`: the planner's best layout for `cluster` replaces it."""
-    from raymp.models import model_args
-    from raymp.models.shape import TOKENIZER_VOCAB, model_shape
-    from raymp.planner import cluster_from_config, plan
-
     if not data.get("cluster"):
         raise ConfigError(
             "parallel: auto needs a cluster section to plan for (cluster.nodes, "

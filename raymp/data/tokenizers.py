@@ -7,6 +7,7 @@ encoder.json / vocab.bpe, so we build the tiktoken Encoding from those and work 
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 from pathlib import Path
 
@@ -88,7 +89,6 @@ def get_tokenizer(spec: str):
         raise ValueError(
             f"data.tokenizer: unknown tokenizer {spec!r}; choose 'byte', 'gpt2' or 'package.module:factory'"
         )
-    import importlib
 
     module_name, attr = spec.split(":", 1)
     try:

@@ -11,11 +11,14 @@ from pathlib import Path
 from raymp.checkpoint.restore import SETUP_KNOB, restore_newest_intact
 from raymp.checkpoint.store import Checkpoint
 from raymp.config import ConfigError, RunConfig, config_from_dict, load_config
+from raymp.config.rules import vocab_too_small
 from raymp.data import DataPosition
 from raymp.driver.feed import DataFeed
 from raymp.models import model_args, model_spec
 from raymp.models.masks import document_eot
 from raymp.models.shape import model_shape
+from raymp.parallel.pipeline import balance_stages
+from raymp.planner import estimate
 from raymp.runtime.actor_group import ActorGroup
 from raymp.runtime.cluster import host_memory_problem
 
@@ -33,7 +36,6 @@ def with_stage_split(cfg: RunConfig, vocab_size: int) -> RunConfig:
     given: the config the driver hands its ranks (and records in config.yaml and MLflow)."""
     if cfg.parallel.pp == 1 or cfg.parallel.stage_layers is not None:
         return cfg
-    from raymp.parallel.pipeline import balance_stages
 
     args = model_args(cfg.model, vocab_size)
     if cfg.model.factory is not None:  # a factory module's layer count is its own
@@ -77,8 +79,6 @@ class Launcher:
     def launch(self, cfg: RunConfig, position: DataPosition | dict | None) -> Launched:
         """Ranks set up for `cfg`, restored from the lineage's newest intact state or, if it has
         none, started at `position` (default: the first step); streams started."""
-        from raymp.planner import estimate
-
         feed = self.feed
         vocab = feed.data.vocab_size
         # The layout against the tokenizer's real vocabulary (config validation may not have known it).
@@ -113,7 +113,5 @@ def num_params(cfg: RunConfig, vocab_size: int) -> int:
 
 
 def check_vocab(cfg: RunConfig, feed: DataFeed) -> None:
-    from raymp.config.rules import vocab_too_small
-
     if problem := vocab_too_small(cfg.model.vocab_size, feed.data.tokenizer, feed.data.vocab_size):
         raise ConfigError(problem)

@@ -9,6 +9,7 @@ import numpy as np
 
 from raymp.config import RunConfig
 from raymp.layout import Layout
+from raymp.parallel.pipeline import bubble_stats, theoretical_bubble
 from raymp.runtime.report import RankReport
 
 # What MLflow gets per step, besides the memory columns (raymp.driver.tracking_hooks).
@@ -53,8 +54,6 @@ def step_metrics(step: int, reports: list[RankReport], layout: Layout, cfg: RunC
 def pipeline_metrics(reports: list[RankReport], layout: Layout, global_batch: int) -> dict:
     """Bubble per replica from the stages' clocks (averaged over replicas), next to theory. The
     events of replica 0 go under "pipeline_events" for the driver to keep aside for timeline()."""
-    from raymp.parallel.pipeline import bubble_stats, theoretical_bubble
-
     replicas = [[reports[layout.rank_of(dp=d, pp=s, tp=0)].pipeline_events for s in range(layout.pp)]
                 for d in range(layout.dp)]
     stats = [bubble_stats(events) for events in replicas]

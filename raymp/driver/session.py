@@ -8,12 +8,15 @@ from __future__ import annotations
 import time
 
 from raymp.checkpoint.coordinator import CheckpointCoordinator
+from raymp.checkpoint.restore import restore_newest_intact
 from raymp.checkpoint.store import Checkpoint
 from raymp.config import RunConfig, resolved_dict
 from raymp.driver.launch import Launcher
-from raymp.elastic import with_dp
 from raymp.driver.metrics import peak_tflops, step_metrics
 from raymp.driver.stopping import stop_signals_held
+from raymp.elastic import with_dp
+from raymp.models import model_args
+from raymp.planner import step_flops
 from raymp.runtime.actor_group import ActorGroup, WorkerLostError
 from raymp.version import __version__
 
@@ -49,9 +52,6 @@ class Session:
     def _per_step_constants(self) -> tuple[float, float | None, float]:
         """What every step's metrics divide by, fixed for a launch: the model FLOPs of a step, the
         device's peak, the planner's largest per-rank estimate."""
-        from raymp.models import model_args
-        from raymp.planner import step_flops
-
         cfg, t = self.config, self.config.train
         flops = step_flops(model_args(cfg.model, self.launcher.feed.data.vocab_size), t.global_batch_size, t.seq_len)
         estimate = max(e.model_state_bytes + e.activation_bytes for e in self.memory_estimate)
@@ -131,8 +131,6 @@ class Session:
     def load(self, checkpoint: Checkpoint, say) -> None:
         """Every rank restored from `checkpoint` (saved under any layout), the streams restarted
         at its data position."""
-        from raymp.checkpoint.restore import restore_newest_intact
-
         restore_newest_intact(self.group, [checkpoint], lambda: None, say, self.config.resources.setup_timeout_s)
         self.start_streams(checkpoint.data_position)
 

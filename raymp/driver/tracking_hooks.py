@@ -5,14 +5,18 @@ are raymp.tracking's."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
+import ray
+import torch
 import yaml
 
 from raymp.config import ConfigError, RunConfig, resolved_dict
 from raymp.driver.metrics import LOGGED
 from raymp.driver.summary import steady_median
 from raymp.layout import Layout
+from raymp.tracking import RunTracker
 from raymp.version import __version__
 
 
@@ -22,8 +26,6 @@ class RunTracking:
 
     def __init__(self, cfg: RunConfig, run_name: str, tags: dict[str, str], resume, lineage_id: str,
                  step: int, params: dict, plan: dict):
-        from raymp.tracking import RunTracker
-
         # checkpoint.resume=auto continues this run, so its MLflow run goes on; a checkpoint named
         # by path may be another run's (a warm start), which gets a run of its own.
         record = (resume.meta.get("lineage") or {}) if resume is not None else {}
@@ -115,10 +117,6 @@ class RunTracking:
 
 
 def run_tags(cfg: RunConfig, device: str, backend: str, num_params: int) -> dict[str, str]:
-    import ray
-    import torch
-
-
     lay = cfg.parallel.layout
     return {
         "raymp.layout": lay.tag(),
@@ -152,8 +150,6 @@ def loss_figure(history: list[dict], title: str):
 
 def git_commit() -> str | None:
     """The commit of the code being run, when it runs from a git checkout (a job's working dir)."""
-    import subprocess
-
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
                              cwd=Path(__file__).resolve().parent)

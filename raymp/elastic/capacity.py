@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import ray
+
 from raymp.config import RunConfig, config_from_dict, resolved_dict
 
 
@@ -29,8 +31,6 @@ class Capacity:
 def capacity(cfg: RunConfig, device: str, reserve_node: str | None, reserve_cpus: float) -> Capacity:
     """Replicas of pp x tp actors the live nodes can hold. A TP group must sit on one node;
     `reserve_cpus` stay free on `reserve_node` (the data streams' tasks) or on the largest node."""
-    import ray
-
     p, r = cfg.parallel, cfg.resources
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     groups, parts = 0, []

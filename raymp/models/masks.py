@@ -47,7 +47,9 @@ def hf_masks(config, layer_types: set[str], h: torch.Tensor, positions: torch.Te
     own forward builds for it, intersected with the document mask when `doc_ids` is given. None
     where transformers' SDPA attention is plainly causal (it is, given no mask)."""
     from transformers.masking_utils import (
-        create_causal_mask, create_sliding_window_causal_mask, packed_sequence_mask_function,
+        create_causal_mask,
+        create_sliding_window_causal_mask,
+        packed_sequence_mask_function,
     )
 
     same_document = None if doc_ids is None else packed_sequence_mask_function(doc_ids)

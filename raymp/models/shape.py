@@ -4,7 +4,10 @@ validation, the planner and the driver judge a layout by the same sizes."""
 
 from __future__ import annotations
 
+import torch
+
 from raymp.layout import ModelShape
+from raymp.models.custom import import_object
 
 TOKENIZER_VOCAB = {"byte": 256, "gpt2": 50257}
 
@@ -56,10 +59,6 @@ def probed_shape(model: dict) -> dict:
 def _factory_shape(factory: str, vocab_size: int) -> dict:
     """Layers, width, and an MLP width that gives each layer its real parameter count. Heads are
     not visible from outside; they count as one."""
-    import torch
-
-    from raymp.models.custom import import_object
-
     with torch.device("meta"):
         probe = import_object(factory, "model.factory")(vocab_size=vocab_size)
     layers = getattr(probe, "layers", None)

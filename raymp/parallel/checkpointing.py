@@ -1,11 +1,10 @@
 """Activation checkpointing: recompute each transformer block in backward instead of storing it."""
 
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 
 def apply_activation_checkpointing(model: nn.Module, block_names: list[str]) -> None:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
     for name in block_names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

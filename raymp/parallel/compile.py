@@ -7,6 +7,7 @@ about one block's worth, not the whole model's."""
 from __future__ import annotations
 
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 
 def apply_compile(model: nn.Module, block_names: list[str], tensor_parallel: bool) -> None:
@@ -39,7 +40,5 @@ def apply_compile(model: nn.Module, block_names: list[str], tensor_parallel: boo
 def _has_sharded_parameters(module: nn.Module) -> bool:
     """Whether a tensor-parallel plan split some of the module's weights (a DTensor with a Shard
     placement), as Colwise/RowwiseParallel do; a SequenceParallel norm's weights are replicated."""
-    from torch.distributed.tensor import DTensor, Shard
-
     return any(isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements)
                for p in module.parameters())

@@ -14,7 +14,6 @@ import time
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -23,6 +22,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.tensor import DTensor
 
 from raymp.layout import V_SHAPED  # rank r holds stages r and 2p-1-r: first and last on rank 0
 

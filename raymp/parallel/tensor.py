@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 
+from torch.distributed.tensor.parallel import loss_parallel
 
 
 def loss_context(tp: int):
@@ -13,6 +14,5 @@ def loss_context(tp: int):
     active for the backward of that loss."""
     if tp == 1:
         return contextlib.nullcontext()
-    from torch.distributed.tensor.parallel import loss_parallel
 
     return loss_parallel()

@@ -14,8 +14,12 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raymp.optim import adamw_kwargs, build_optimizer, param_groups
 
@@ -72,8 +76,6 @@ class DataParallelEngine:
         shards) of them, so each rank adds its squares divided by that, and one all-reduce over
         every rank gives the norm. `counted_elsewhere` names parameters (a tied head's copy of
         the embedding) whose gradient another stage already counts."""
-        import torch.distributed as dist
-
         params = [p for p in self.optimizer_params() if p.grad is not None]
         skip = {id(p) for p in counted_elsewhere}
         squares = torch.zeros((), dtype=torch.float64, device=_device_of(params))
@@ -157,8 +159,6 @@ class DDPEngine(DataParallelEngine):
 
     def __init__(self, modules: list[nn.Module], dp_mesh, opt_cfg, zero: int, device: torch.device,
                  wrap: bool = True):
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         self.modules = modules
         self.dp_group = dp_mesh.get_group()
         self.dp_size = dp_mesh.size()
@@ -191,8 +191,6 @@ class DDPEngine(DataParallelEngine):
         super().finish_gradients()
         if self.wrapped or self.dp_size == 1:
             return
-        import torch.distributed as dist
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
         for module in self.modules:
             grads = [local_tensor(p.grad) for p in module.parameters() if p.grad is not None]
@@ -211,8 +209,6 @@ class DDPEngine(DataParallelEngine):
 class FSDPEngine(DataParallelEngine):
     def __init__(self, modules: list[nn.Module], dp_mesh, opt_cfg, zero: int, mp_dtype, block_names,
                  reshard_after_forward: bool):
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
         self.zero = zero
         mp = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32) if mp_dtype else MixedPrecisionPolicy()
         offload = CPUOffloadPolicy() if opt_cfg.cpu_offload else None

@@ -9,7 +9,8 @@ from __future__ import annotations
 import time
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+import torch.distributed as dist
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raymp.runtime.worker import Worker
@@ -100,8 +101,6 @@ class ActorGroup:
         self.node_ids = sorted({n["node_id"] for n in self.nodes})
 
     def _bundle_node(self, rank: int) -> str | None:
-        from ray.util.placement_group import placement_group_table
-
         pg, index = self._bundle(rank)
         return placement_group_table(pg).get("bundles_to_node_id", {}).get(index)
 
@@ -187,8 +186,6 @@ def _deadline(timeout_s: float | None) -> float | None:
 def _is_collective_failure(exc: Exception) -> bool:
     """A torch collective that failed because a peer went away (gloo: connection closed or
     reset, NCCL: a communicator error, either: the process-group timeout)."""
-    import torch.distributed as dist
-
     cause = getattr(exc, "cause", None)
     return isinstance(cause, dist.DistError) or any(
         phrase in str(cause) for phrase in ("Connection closed by peer", "Connection reset by peer",

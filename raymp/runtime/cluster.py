@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 
+import ray
+
+from raymp.config import CPU_OFFLOAD_ON_CPU, ConfigError
 from raymp.logs import RAY_LOCAL_START, quiet_loggers
 
 
 def connect(address: str | None, min_cpus: float) -> None:
-    import ray
-
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
@@ -29,10 +30,6 @@ def connect(address: str | None, min_cpus: float) -> None:
 def resolve_device(requested: str, world_size: int, cpu_offload: bool = False) -> str:
     """'auto' -> cuda when the cluster has a GPU for every actor, else cpu (where optimizer
     state cannot be offloaded: it is in host memory already)."""
-    import ray
-
-    from raymp.config import CPU_OFFLOAD_ON_CPU, ConfigError
-
     gpus = ray.cluster_resources().get("GPU", 0)
     if requested == "cuda" and gpus < world_size:
         raise ConfigError(f"resources.device=cuda needs a GPU for each of the {world_size} actors, but the "
@@ -48,8 +45,6 @@ def host_memory_problem(rank_bytes: list[float]) -> str | None:
     """Ranks on CPU keep all their state in host memory. When the planner's per-rank estimate
     cannot fit even in the largest node, or all ranks in the whole cluster, setting up can only
     end in Ray's OOM kill a minute later: say so now. (A lower bound: placement is not known.)"""
-    import ray
-
     gib = 2**30
     nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
     sizes = [r.get("memory", 0) + r.get("object_store_memory", 0) for r in nodes]

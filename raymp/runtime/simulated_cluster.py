@@ -5,13 +5,13 @@ that, and let training threads wait on an event until it is done."""
 
 from __future__ import annotations
 
+import ray
+from ray.cluster_utils import Cluster
+
 
 class SimulatedCluster:
     def __init__(self, head_cpus: float):
         """A head of `head_cpus` CPUs (0: it runs no actor and no task), this process connected."""
-        import ray
-        from ray.cluster_utils import Cluster
-
         self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus})
         self.nodes: list = []  # worker nodes, oldest first
         ray.init(address=self.cluster.address, log_to_driver=False)
@@ -45,7 +45,5 @@ class SimulatedCluster:
         self.cluster.wait_for_nodes()
 
     def shutdown(self) -> None:
-        import ray
-
         ray.shutdown()
         self.cluster.shutdown()

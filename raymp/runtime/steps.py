@@ -4,17 +4,26 @@ pipeline stages driven by a torch.distributed.pipelining schedule."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 from raymp.loss import lm_loss
 from raymp.models.masks import document_ids, mask_kwargs
-from raymp.models.spec import build_part
+from raymp.models.spec import build_part, keep_only
 from raymp.parallel.checkpointing import apply_activation_checkpointing
 from raymp.parallel.compile import apply_compile
-from raymp.parallel.pipeline import ActivationMeter, autocast_context
+from raymp.parallel.pipeline import (
+    SCHEDULES,
+    ZERO_BUBBLE,
+    ActivationMeter,
+    StepClock,
+    TimedStage,
+    autocast_context,
+    local_stages,
+    stage_to_pp_rank,
+)
 from raymp.parallel.tensor import loss_context
 from raymp.parallel.zero import apply_data_parallel, local_tensor
 
@@ -158,13 +167,6 @@ class PipelineStep:
     DOCUMENT_TAG = 9
 
     def __init__(self, cfg, spec, mesh, coords, device, dims, document_eot: int | None = None):
-        from torch.distributed.pipelining.schedules import PipelineScheduleMulti
-
-        from raymp.parallel.pipeline import (
-            SCHEDULES, ZERO_BUBBLE, ActivationMeter, StepClock, TimedStage, local_stages, stage_to_pp_rank,
-        )
-        from raymp.models.spec import keep_only
-
         p = cfg.parallel
         self.cfg, self.device, self.dims, self.document_eot = cfg, device, dims, document_eot
         self.pp_rank = coords["pp"]
@@ -254,8 +256,6 @@ class PipelineStep:
         Stage by stage, micro-batch by micro-batch, activations sent point to point: torch's
         schedule.eval() asserts under V-shaped schedules (zbv, dualpipev) on torch 2.13, and
         validation is rare enough that overlapping it is not worth a second code path."""
-        from raymp.parallel.pipeline import stage_to_pp_rank
-
         p = self.cfg.parallel
         inputs, labels, doc_ids, sends = self._inputs_and_labels(tokens)
         n = self.micro_batches

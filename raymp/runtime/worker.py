@@ -3,6 +3,7 @@ and runs one whole training step per driver call (all micro-batches, backward, o
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import resource
@@ -11,10 +12,19 @@ import time
 from datetime import timedelta
 
 import numpy as np
+import ray
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-
+from raymp.checkpoint.integrity import verify_files
+from raymp.checkpoint.rank_state import RankCheckpointer
 from raymp.checkpoint.rank_state import clean_name as _clean
+from raymp.data.stream import ReplicaStream
+from raymp.models import model_spec
+from raymp.optim import build_scheduler
 from raymp.runtime.report import RankReport
+from raymp.runtime.steps import LocalStep, PipelineStep
 
 
 def _status_kib(field: str) -> int:
@@ -48,8 +58,6 @@ def return_large_buffers_to_os() -> None:
     and stay resident after free. Measured (benchmarks/scale.py's ladder, 23.7M parameters, two
     gloo ranks under FSDP2): peak RSS growth over two steps 580 MiB with the default, 215 MiB with
     the threshold fixed, for 135 MiB of model state."""
-    import ctypes
-
     try:
         ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
@@ -62,7 +70,6 @@ class Worker:
     def __init__(self, num_threads: int):
         os.environ["OMP_NUM_THREADS"] = str(num_threads)
         return_large_buffers_to_os()
-        import torch
 
         # Each actor gets its share of cores; torch's default (all cores per process) makes
         # co-located actors fight and steps run ~20x slower (docs/design.md).
@@ -78,8 +85,6 @@ class Worker:
     # -- placement and rendezvous ---------------------------------------------------------
 
     def node_info(self) -> dict:
-        import ray
-
         ctx = ray.get_runtime_context()
         return {
             "node_id": ctx.get_node_id(),
@@ -90,8 +95,6 @@ class Worker:
         }
 
     def rendezvous_address(self) -> tuple[str, int]:
-        import ray
-
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
@@ -99,9 +102,6 @@ class Worker:
 
     def init_distributed(self, rank: int, world_size: int, addr: str, port: int, backend: str,
                          timeout_s: float) -> None:
-        import torch
-        import torch.distributed as dist
-
         self.rank, self.world_size, self.backend = rank, world_size, backend
         if backend == "nccl":
             self.device = torch.device("cuda", 0)  # Ray sets CUDA_VISIBLE_DEVICES per actor
@@ -113,7 +113,6 @@ class Worker:
             backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
-        from raymp.checkpoint.rank_state import RankCheckpointer
 
         # Checkpoints get a gloo group of their own (DCP's planning collectives run in a
         # background thread during async saves; they must not share the training's group).
@@ -133,12 +132,6 @@ class Worker:
         (sent as the object: not validated again); `document_eot`: the end-of-text id when
         documents are masked (data.document_mask). Re-callable: a reused actor group can train
         another config without restarting processes."""
-        import torch
-
-        from raymp.models import model_spec
-        from raymp.optim import build_scheduler
-        from raymp.runtime.steps import LocalStep, PipelineStep
-
         if self.checkpointer is not None:
             self.checkpointer.wait()  # a save of the previous set-up still writing
         self.program = self.engine = self.scheduler = None  # the previous set-up's model goes first
@@ -174,8 +167,6 @@ class Worker:
     def start_stream(self, spec, steps: int, cpus: float, prefetch_batches: int) -> None:
         """First-stage ranks: read this replica's batches (a StreamSpec; None on the other
         stages) for `steps` steps from the spec's start position."""
-        from raymp.data.stream import ReplicaStream
-
         if self.stream is not None:
             self.stream.close()
         self.stream = None if spec is None else ReplicaStream(spec, steps, cpus, prefetch_batches)
@@ -219,8 +210,6 @@ class Worker:
         """Forward and backward only, no update: the full gradient of every parameter this rank's
         stages hold, by name (every rank must call; dp/tp rank 0 of each stage returns). For
         tests that pin down a missing or wrong gradient, not just a diverging loss."""
-        from torch.distributed.tensor import DTensor
-
         self.program.forward_backward(tokens)
         grads = {}
         for module in self.engine.modules:
@@ -236,8 +225,6 @@ class Worker:
         return grads if self.coords["dp"] == 0 and self.coords["tp"] == 0 else None
 
     def _peak_memory(self) -> int:
-        import torch
-
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
@@ -255,8 +242,6 @@ class Worker:
 
     def verify_checkpoint(self, path: str, files: dict[str, str]) -> list[str]:
         """Problems with this rank's share of a checkpoint's files (verified before a load)."""
-        from raymp.checkpoint.integrity import verify_files
-
         return verify_files(path, files)
 
     def load_checkpoint(self, path: str) -> dict:
@@ -272,8 +257,6 @@ class Worker:
         return {_clean(k): v for k, v in sd.items()} if self.coords["dp"] == 0 and self.coords["tp"] == 0 else None
 
     def shutdown(self) -> None:
-        import torch.distributed as dist
-
         self.engine = self.program = None
         if dist.is_initialized():
             dist.destroy_process_group()
