@@ -8,8 +8,10 @@ Two memory models live here:
   under ZeRO-2), activations per schedule, and communication buffers. This is the number checked
   against measured runs.
 
-The step-time model is deliberately simple (FLOPs / achievable device FLOP/s, plus the pipeline
-bubble and exposed TP/DP communication): good for ranking layouts, not for promising seconds.
+The step-time model is deliberately simple (FLOPs / achievable device FLOP/s, stretched by the
+pipeline bubble, plus TP all-reduces, pipeline activation sends and the DP gradient reduction,
+each priced by bytes over bandwidth plus a per-message latency): good for ranking layouts, not
+for promising seconds (it has not been checked against measured step times).
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from dataclasses import dataclass, field
 from raymp.layout import Layout, ModelShape
 
 GB = 1e9
+# Start-up cost of one collective or point-to-point message, whatever its size (NCCL's
+# small-message latency is ~10-30 us inside a node): what makes many small messages (deep
+# pipelines and wide TP for a small model) slower than their bytes say.
+MESSAGE_LATENCY_S = 20e-6
 
 
 # -- the ZeRO paper ---------------------------------------------------------------------------
@@ -195,7 +201,8 @@ def step_flops(args, global_batch: int, seq_len: int) -> float:
 def step_seconds(args, layout: Layout, cluster: Cluster, global_batch: int, seq_len: int) -> dict:
     """Compute (6·Ψ·tokens + attention, x4/3 with recomputation) spread over every device at the
     achievable MFU, stretched by the pipeline bubble, plus exposed TP all-reduces (inside a
-    node) and the dp gradient reduction (across nodes when dp spans them)."""
+    node), the pipeline's activation sends between stages, and the dp gradient reduction
+    (across nodes when dp spans them)."""
     from raymp.parallel.pipeline import theoretical_bubble
 
     flops = step_flops(args, global_batch, seq_len)
@@ -209,14 +216,20 @@ def step_seconds(args, layout: Layout, cluster: Cluster, global_batch: int, seq_
     if layout.tp > 1:  # 4 all-reduces of a micro-batch's hidden states per block (2 fwd, 2 bwd)
         volume = 4 * args.n_layers / layout.pp * layout.micro_batch_size * seq_len * args.dim * 2
         tp_time = micro * volume * 2 * (layout.tp - 1) / layout.tp / (cluster.intra_node_gbps * GB)
+        tp_time += micro * 4 * args.n_layers / layout.pp * MESSAGE_LATENCY_S
+    spans_nodes = layout.world_size > cluster.gpus_per_node
+    pp_time = 0.0
+    if layout.pp > 1:  # per micro-batch and stage chunk: activations forward, their gradient back
+        hidden = layout.micro_batch_size * seq_len * args.dim * 2 / (layout.tp if layout.sequence_parallel else 1)
+        bw = (cluster.inter_node_gbps if spans_nodes else cluster.intra_node_gbps) * GB  # pp is outermost
+        pp_time = micro * layout.stages_per_rank * 2 * (hidden / bw + MESSAGE_LATENCY_S)
     dp_time = 0.0
     if layout.dp > 1:
         grads = args.num_params / (layout.pp * layout.tp) * 4  # fp32 gradients of one rank's shard of the model
-        spans_nodes = layout.world_size > cluster.gpus_per_node
         bw = (cluster.inter_node_gbps if spans_nodes else cluster.intra_node_gbps) * GB
-        dp_time = 2 * grads * (layout.dp - 1) / layout.dp / bw * 0.5  # half hidden behind backward
-    total = compute + tp_time + dp_time
-    return {"step_s": total, "compute_s": compute, "tp_comm_s": tp_time, "dp_comm_s": dp_time,
+        dp_time = 2 * grads * (layout.dp - 1) / layout.dp / bw * 0.5 + MESSAGE_LATENCY_S  # half hidden behind backward
+    total = compute + tp_time + pp_time + dp_time
+    return {"step_s": total, "compute_s": compute, "tp_comm_s": tp_time, "pp_comm_s": pp_time, "dp_comm_s": dp_time,
             "bubble": bubble or 0.0, "tokens_per_s": global_batch * seq_len / total}
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from raymp.config import ConfigError, config_from_dict
 from raymp.models import model_args
-from raymp.planner import Cluster, Layout, estimate, explain, plan, zero_model_states
+from raymp.planner import Cluster, Layout, estimate, explain, plan, step_seconds, zero_model_states
 from raymp.trainer import Trainer
 from test_cli import raymp
 
@@ -78,6 +78,19 @@ def test_llama_70b_on_64_gpus_of_80_gb_has_a_fitting_plan():
     assert lay.dp * lay.pp * lay.tp == 64 and lay.tp <= 8
     # Plain data parallelism cannot hold 70B: 16 bytes x 70B / 64 at best still leaves no room.
     assert not any(c.fits for c in result.candidates if c.layout.pp == 1 and c.layout.tp == 1 and c.layout.zero < 3)
+
+
+@pytest.mark.unit
+def test_step_time_prices_pipeline_transfers_and_message_latency():
+    """Issue 22: the step-time model ignored pipeline activation transfers, so `parallel: auto`
+    chose the deepest pipeline for a small model (pp=8 tp=2 for `small` on 2 x 8 devices)."""
+    cluster = Cluster(nodes=2, gpus_per_node=8, gpu_memory_gb=80)
+    args = _args("small", 256)
+    shallow, deep = (step_seconds(args, Layout(dp=16 // pp, pp=pp, tp=1, zero=1 if pp < 16 else 0,
+                                               micro_batch_size=1), cluster, 64, 128) for pp in (2, 8))
+    assert shallow["pp_comm_s"] > 0 and deep["pp_comm_s"] > 2 * shallow["pp_comm_s"]
+    best = plan(args, cluster, global_batch=16, seq_len=128).best.layout
+    assert best.pp < 8 and best.dp > 1, best
 
 
 def test_gpt3_175b_plan_explains_the_seed_layout():
