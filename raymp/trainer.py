@@ -84,8 +84,7 @@ class Trainer:
     def setup(self) -> "Trainer":
         if self._ready:
             return self
-        cfg = self.config
-        lay = cfg.parallel.layout
+        cfg, lay = self.config, self.config.parallel.layout
         check_destinations(cfg)
         # One CPU beyond the actors' for the Ray Data tasks that prepare and stream the data.
         connect(cfg.resources.address, lay.world_size * cfg.resources.cpus_per_actor + 1)
@@ -139,18 +138,21 @@ class Trainer:
 
     # -- the step loop ------------------------------------------------------------------------
 
-    def step(self) -> dict:
-        """Run one optimizer step on every actor and return the aggregated metrics."""
+    def step(self, _then_until: int = 0) -> dict:
+        """Run one optimizer step on every actor and return the aggregated metrics. (fit() passes
+        its target: the next step may then be queued on the actors early, train.dispatch_ahead.)"""
         self.setup()
         t, step = self.config.train, self.global_step
         if step >= t.steps:
             raise RuntimeError(f"the run is complete: train.steps={t.steps} steps done")
-        reports, metrics = self.session.run_step(step)
+        eval_due = self.feed.eval_due(step, t)
+        ahead = t.dispatch_ahead and step + 1 < _then_until and not eval_due and self.on_event is None
+        reports, metrics = self.session.run_step(step, next_may_start=ahead)
         self.feed.next_step += 1
         metrics["restarts"] = len(self.restarts)
         if "pipeline_events" in metrics:  # kept aside for timeline(), not in the history
             self.last_pipeline_events, self._last_pipeline_step = metrics.pop("pipeline_events"), step
-        if self.feed.eval_batches and ((t.eval_every and (step + 1) % t.eval_every == 0) or step + 1 == t.steps):
+        if eval_due:
             metrics["val_loss"] = self.evaluate()
         self.history.append(metrics)
         if self.session.after_step(reports, self.global_step, metrics,
@@ -171,7 +173,7 @@ class Trainer:
         try:
             while self.global_step < target:
                 try:
-                    bar.update(self.step())
+                    bar.update(self.step(_then_until=target))
                     if self.on_event is not None:
                         self.on_event("step", {"done": self.global_step})
                 except WorkerLostError as lost:

@@ -49,6 +49,25 @@ def test_step_inspect_fit_and_mlflow_run(group2, tiny_cfg, tmp_path):
     assert (out / "mlartifacts").is_dir()
 
 
+def test_dispatch_ahead_trains_the_same_steps_and_never_crosses_a_save_or_a_validation(group2, tiny_cfg, tmp_path):
+    """Issue 22: fit() queues step k+1 before it reads step k's results, except where something
+    must happen on the actors in between (a save after steps 1, 3, 5, 7, a validation after steps
+    2, 5, 7): only steps 1, 5 and 7 go early. The losses and samples are step-by-step dispatch's."""
+    runs = {}
+    for ahead in (False, True):
+        cfg = tiny_cfg(parallel={"dp": 2, "zero": 2, "micro_batch_size": 2},
+                       train={"steps": 8, "eval_every": 3, "dispatch_ahead": ahead},
+                       checkpoint={"every": 2, "dir": str(tmp_path / f"ckpt-{ahead}")})
+        with Trainer(cfg, actor_group=group2, progress=False) as trainer:
+            history = trainer.fit()
+            runs[ahead] = (history, trainer.session.queued_early)
+    (plain, none_early), (ahead, early) = runs[False], runs[True]
+    assert none_early == [] and early == [1, 5, 7], early
+    assert [m["loss"] for m in ahead] == [m["loss"] for m in plain]
+    assert [m.get("val_loss") for m in ahead] == [m.get("val_loss") for m in plain]
+    assert [m["sample_ids"].tolist() for m in ahead] == [m["sample_ids"].tolist() for m in plain]
+
+
 def test_actor_group_size_must_match_layout(group2, tiny_cfg):
     cfg = tiny_cfg(parallel={"dp": 4, "zero": 0, "micro_batch_size": 1})
     with pytest.raises(ValueError, match="has 2 actors but the layout needs dp\\*pp\\*tp = 4"):

@@ -162,6 +162,9 @@ class TrainingConfig(_Strict):
     log_every: int = Field(10, ge=1)
     eval_every: int = Field(0, ge=0, description="steps between validation losses; 0: only at the end")
     eval_batches: int = Field(1, ge=0, description="global batches of held-out data per validation; 0: none")
+    dispatch_ahead: bool = Field(True, description="fit() queues step k+1 on the actors before it reads step "
+                                 "k's results (not across a save, a validation or a step event), so the actors "
+                                 "never wait for the driver")
     compile: bool = Field(False, description="torch.compile each transformer block; the first step pays "
                           "for compiling (reported in the summary)")
 

@@ -92,6 +92,11 @@ class DataFeed:
                 args.append(([None] * n,))
         group.call_per_rank("set_eval_data", args)
 
+    def eval_due(self, step: int, t) -> bool:
+        """Whether a validation follows step `step` (0-based): every train.eval_every steps and
+        after the last, when there are held-out batches."""
+        return bool(self.eval_batches) and ((t.eval_every and (step + 1) % t.eval_every == 0) or step + 1 == t.steps)
+
     def params(self) -> dict:
         """The dataset as MLflow params."""
         m = self.data.manifest

@@ -33,11 +33,14 @@ class Session:
         self.setup_info: list[dict] = []  # per rank: coords, stages, parameters, setup_peak_bytes
         self.memory_estimate: list = []  # the planner's RankEstimate per pipeline stage
         self.initial_position = None  # where a run without a checkpoint started
+        self._ahead = None  # (step, refs, dispatched at): a step queued on the ranks, not yet collected
+        self._last_collected = 0.0  # when the last step's results came back
+        self.queued_early: list[int] = []  # steps queued before the previous one's results were read
 
     def launch(self, position) -> Checkpoint | None:
         """The actors for self.config's layout, brought to the lineage's newest intact state (or
         to `position` when it has none). Returns the checkpoint restored."""
-        self.group = None
+        self.group, self._ahead = None, None
         launched = self.launcher.launch(self.config, position)
         self.group, self.config = launched.group, launched.config
         self.setup_info, self.memory_estimate = launched.setup_info, launched.memory_estimate
@@ -57,16 +60,31 @@ class Session:
         estimate = max(e.model_state_bytes + e.activation_bytes for e in self.memory_estimate)
         return flops, peak_tflops(cfg, self.launcher.device), estimate
 
-    def run_step(self, step: int) -> tuple[list, dict]:
-        """One optimizer step on every rank: (the ranks' reports, the step's metrics)."""
+    def run_step(self, step: int, next_may_start: bool = False) -> tuple[list, dict]:
+        """One optimizer step on every rank: (the ranks' reports, the step's metrics).
+        `next_may_start`: the caller will run step+1 next with nothing in between on its side, so
+        step+1 is queued on the ranks before this step's results are read (unless a save is due
+        between the two): the ranks start it the moment this one ends, while the driver handles
+        this step's metrics, commits and tracking. Look-ahead is one step deep."""
         cfg = self.config
-        t0 = time.perf_counter()
+        ahead, self._ahead = self._ahead, None
+        pending = ahead if ahead is not None and ahead[0] == step else self._dispatch(step)
+        if next_may_start and not self.checkpoints.due(step + 1, cfg.train.steps):
+            self._ahead = self._dispatch(step + 1)
+            self.queued_early.append(step + 1)
+        _, refs, dispatched = pending
+        started = max(dispatched, self._last_collected)  # a queued step starts when the one before ends
         try:
-            reports = self.group.call("train_step", step, timeout_s=cfg.elastic.step_timeout_s)
+            reports = self.group.collect(refs, cfg.elastic.step_timeout_s)
         except WorkerLostError as lost:
+            self._ahead = None  # its ranks are torn down with the failed step's
             raise WorkerLostError(f"step {step}: {lost}", lost.rank, lost.kind, step) from lost
-        step_time = time.perf_counter() - t0
-        return reports, step_metrics(step, reports, cfg.parallel.layout, cfg, step_time, *self._step_constants)
+        self._last_collected = time.perf_counter()
+        return reports, step_metrics(step, reports, cfg.parallel.layout, cfg, self._last_collected - started,
+                                     *self._step_constants)
+
+    def _dispatch(self, step: int) -> tuple[int, list, float]:
+        return step, self.group.submit("train_step", step), time.perf_counter()
 
     def evaluate(self) -> float:
         losses = [x for x in self.group.call("evaluate") if x is not None]
@@ -96,7 +114,7 @@ class Session:
     def teardown(self) -> None:
         if self.group is not None and self.group is not self.launcher.shared_group:
             self.group.shutdown()
-        self.group = None
+        self.group, self._ahead = None, None
 
     def relaunch(self, dp: int) -> Checkpoint | None:
         """The run again with `dp` replicas, from the lineage's newest intact state."""

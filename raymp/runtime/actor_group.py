@@ -115,8 +115,16 @@ class ActorGroup:
         """The same call on every rank, in parallel; returns results in rank order. Raises
         WorkerLostError as soon as a rank is lost, or when the ranks have not all finished within
         timeout_s (the error names `knob`, the setting that gave it)."""
-        return self._gather([getattr(w, method).remote(*args, **kwargs) for w in self.workers],
-                            _deadline(timeout_s), knob)
+        return self.collect(self.submit(method, *args, **kwargs), timeout_s, knob)
+
+    def submit(self, method: str, *args, **kwargs) -> list:
+        """The same call queued on every rank; collect() its results. A call queued behind another
+        starts the moment that one ends (Ray runs an actor's calls in order)."""
+        return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+
+    def collect(self, refs: list, timeout_s: float | None = None, knob: str = "elastic.step_timeout_s") -> list:
+        """Results of submit()'s refs in rank order, as call() gathers them; timeout_s counts from now."""
+        return self._gather(refs, _deadline(timeout_s), knob)
 
     def call_per_rank(self, method: str, args_per_rank: list[tuple], timeout_s: float | None = None,
                       knob: str = "elastic.step_timeout_s") -> list:
