@@ -25,11 +25,12 @@ if __package__ in (None, ""):  # `python benchmarks/run_all.py` works too
 
 from benchmarks.common import REPO, importable_benchmarks, machine  # noqa: E402
 
-SECTIONS = ("dp", "orchestration", "pipeline", "memory", "elastic", "scale")
+SECTIONS = ("dp", "orchestration", "pipeline", "memory", "elastic", "scale", "driver")
 
 
 _WHERE = {"dp": "sections:data_parallel", "orchestration": "sections:orchestration", "pipeline": "sections:pipeline",
-          "memory": "sections:memory", "elastic": "elastic:measure", "scale": "scale:measure"}
+          "memory": "sections:memory", "elastic": "elastic:measure", "scale": "scale:measure",
+          "driver": "driver_overhead:measure"}
 
 
 def _section(name: str):
