@@ -23,10 +23,6 @@ from dataclasses import dataclass, field
 from raymp.layout import Layout, ModelShape
 
 GB = 1e9
-# Start-up cost of one collective or point-to-point message, whatever its size (NCCL's
-# small-message latency is ~10-30 us inside a node): what makes many small messages (deep
-# pipelines and wide TP for a small model) slower than their bytes say.
-MESSAGE_LATENCY_S = 20e-6
 
 
 # -- the ZeRO paper ---------------------------------------------------------------------------
@@ -60,6 +56,10 @@ class Cluster:
     inter_node_gbps: float = 50.0  # GB/s per GPU across nodes (400 Gb/s InfiniBand)
     usable_fraction: float = 0.9  # leave room for the allocator, CUDA context, fragmentation
     achievable_mfu: float = 0.5  # fraction of peak a good kernel mix reaches
+    # Start-up cost of one collective or point-to-point message, whatever its size (NCCL's
+    # small-message latency is ~10-30 us inside a node): what makes many small messages (deep
+    # pipelines and wide TP for a small model) slower than their bytes say.
+    message_latency_s: float = 20e-6
 
     @property
     def world(self) -> int:
@@ -216,18 +216,18 @@ def step_seconds(args, layout: Layout, cluster: Cluster, global_batch: int, seq_
     if layout.tp > 1:  # 4 all-reduces of a micro-batch's hidden states per block (2 fwd, 2 bwd)
         volume = 4 * args.n_layers / layout.pp * layout.micro_batch_size * seq_len * args.dim * 2
         tp_time = micro * volume * 2 * (layout.tp - 1) / layout.tp / (cluster.intra_node_gbps * GB)
-        tp_time += micro * 4 * args.n_layers / layout.pp * MESSAGE_LATENCY_S
+        tp_time += micro * 4 * args.n_layers / layout.pp * cluster.message_latency_s
     spans_nodes = layout.world_size > cluster.gpus_per_node
     pp_time = 0.0
     if layout.pp > 1:  # per micro-batch and stage chunk: activations forward, their gradient back
         hidden = layout.micro_batch_size * seq_len * args.dim * 2 / (layout.tp if layout.sequence_parallel else 1)
         bw = (cluster.inter_node_gbps if spans_nodes else cluster.intra_node_gbps) * GB  # pp is outermost
-        pp_time = micro * layout.stages_per_rank * 2 * (hidden / bw + MESSAGE_LATENCY_S)
+        pp_time = micro * layout.stages_per_rank * 2 * (hidden / bw + cluster.message_latency_s)
     dp_time = 0.0
     if layout.dp > 1:
         grads = args.num_params / (layout.pp * layout.tp) * 4  # fp32 gradients of one rank's shard of the model
         bw = (cluster.inter_node_gbps if spans_nodes else cluster.intra_node_gbps) * GB
-        dp_time = 2 * grads * (layout.dp - 1) / layout.dp / bw * 0.5 + MESSAGE_LATENCY_S  # half hidden behind backward
+        dp_time = 2 * grads * (layout.dp - 1) / layout.dp / bw * 0.5 + cluster.message_latency_s  # half hidden behind backward
     total = compute + tp_time + pp_time + dp_time
     return {"step_s": total, "compute_s": compute, "tp_comm_s": tp_time, "pp_comm_s": pp_time, "dp_comm_s": dp_time,
             "bubble": bubble or 0.0, "tokens_per_s": global_batch * seq_len / total}
