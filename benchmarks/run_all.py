@@ -25,12 +25,12 @@ if __package__ in (None, ""):  # `python benchmarks/run_all.py` works too
 
 from benchmarks.common import REPO, importable_benchmarks, machine  # noqa: E402
 
-SECTIONS = ("dp", "orchestration", "pipeline", "memory", "elastic", "scale", "driver")
+SECTIONS = ("dp", "orchestration", "pipeline", "memory", "elastic", "scale", "driver", "long_context")
 
 
 _WHERE = {"dp": "sections:data_parallel", "orchestration": "sections:orchestration", "pipeline": "sections:pipeline",
           "memory": "sections:memory", "elastic": "elastic:measure", "scale": "scale:measure",
-          "driver": "driver_overhead:measure"}
+          "driver": "driver_overhead:measure", "long_context": "long_context:measure"}
 
 
 def _section(name: str):
@@ -53,6 +53,9 @@ def _options(argv=None):
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="GPU mode: dense bf16 peak per GPU for MFU (default: looked up from the GPU's name)")
     parser.add_argument("--memory-cap-mib", type=int, default=512, help="scale: per-actor cap on resident memory")
+    parser.add_argument("--long-cap-mib", type=int, default=256,
+                        help="long_context: per-actor cap on resident memory (small: the tiny model's long "
+                             "sequences must meet it before attention's quadratic time does)")
     parser.add_argument("--resume", metavar="RESULTS_DIR",
                         help="keep the sections already finished in this results folder; run the rest")
     parser.add_argument("--section", help=argparse.SUPPRESS)  # internal: run one section, write --json
@@ -93,7 +96,8 @@ def _run_section(name: str, opts, results_dir: str) -> dict:
         result["kept"] = True
         return result
     argv = [sys.executable, "-m", "benchmarks.run_all", "--section", name, "--json", path,
-            "--steps", str(opts.steps), "--reps", str(opts.reps), "--memory-cap-mib", str(opts.memory_cap_mib)]
+            "--steps", str(opts.steps), "--reps", str(opts.reps), "--memory-cap-mib", str(opts.memory_cap_mib),
+            "--long-cap-mib", str(opts.long_cap_mib)]
     if opts.quick:
         argv.append("--quick")
     if opts.gpu:

@@ -89,14 +89,14 @@ def _try(model: dict, world: int, cap: int, steps: int, out: str) -> dict:
         result = {"trains": ok, "loss": loss, "step_s": history[-1]["step_time_s"], "peak_over_base": max(peaks),
                   "why": None if ok else "peak RSS over the cap" if over else f"loss {loss}"}
     except Exception as exc:  # the cap refused an allocation: this is the measurement, not an error
-        result = {"trains": False, "why": _first_line(exc)}
+        result = {"trains": False, "why": first_line(exc)}
     finally:
         group.shutdown()
     result["wall_s"] = time.perf_counter() - start
     return result
 
 
-def _first_line(exc: Exception) -> str:
+def first_line(exc: Exception) -> str:
     text = str(exc)
     if "died" in text or "lost a peer" in text:
         return "a rank passed the cap and was stopped"

@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     planner.add_argument("--seq-len", type=int)
     planner.add_argument("--top", type=int, default=5, help="how many fitting layouts to list")
     planner.add_argument("--compare", metavar="dp=8,pp=4,tp=2,zero=2",
-                         help="also explain one given layout (fits or not, and why)")
+                         help="also explain one given layout (fits or not, and why); keys dp, cp, pp, tp, zero, mbs, ac, sp, schedule")
 
     data = sub.add_parser("data", help="prepare a dataset: tokenize and pack text into parquet shards")
     data_sub = data.add_subparsers(dest="data_command", required=True)
@@ -254,7 +254,7 @@ def _plan(args) -> int:
             layout = Layout(int(fields.get("dp", 1)), int(fields.get("pp", 1)), int(fields.get("tp", 1)),
                             int(fields.get("zero", 0)), int(fields.get("mbs", 1)),
                             fields.get("ac", "false") == "true", fields.get("sp", "false") == "true",
-                            fields.get("schedule", "1f1b"))
+                            fields.get("schedule", "1f1b"), cp=int(fields.get("cp", 1)))
         except ValueError:
             raise ConfigError(f"--compare {args.compare!r}: write it as dp=8,pp=4,tp=2,zero=2") from None
         print(explain(margs, layout, spec, cfg.train.global_batch_size, cfg.train.seq_len, bf16, result, shape))

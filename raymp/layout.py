@@ -1,5 +1,5 @@
-"""The layout: how one run spreads over its actors (dp replicas x pp stages x tp shards, the ZeRO
-stage, micro-batches, the pipeline schedule).
+"""The layout: how one run spreads over its actors (dp replicas x cp sequence shards x pp stages
+x tp shards, the ZeRO stage, micro-batches, the pipeline schedule).
 
 This module is the one authority on layouts. Config validation, the planner and `parallel:
 auto`, elastic re-planning, the workers and the driver all ask a `Layout` for its arithmetic
@@ -31,6 +31,9 @@ class ModelShape:
     sequence_parallel: bool = True  # the model implements sequence parallelism
     tp_plan: bool = True  # the model has a tensor-parallel plan
     not_stageable: str = ""  # why the model cannot be cut into pipeline stages, if it cannot
+    # The attention heads context parallelism spreads over its ranks (Ulysses all-to-all); None:
+    # the model does not implement context parallelism.
+    cp_heads: int | None = None
     kind: str = "the built-in model"
     layers_field: str = "model.n_layers"  # where the layer count is set, for messages
     sizes_in: str = ""  # where the tp_sizes are set, when not in the config's model section
@@ -41,7 +44,7 @@ class ModelShape:
         return cls(args.n_layers, (("model.n_heads", args.n_heads, False),
                                    ("model.n_kv_heads", args.n_kv_heads, False),
                                    ("model.ffn_dim", args.ffn_dim, False),
-                                   (vocab_name, args.vocab_size, True)))
+                                   (vocab_name, args.vocab_size, True)), cp_heads=args.n_heads)
 
 
 def padded_vocab(vocab: int, tp: int) -> int:
@@ -61,6 +64,7 @@ class Layout:
     schedule: str = "1f1b"
     virtual_stages: int | None = None
     stage_layers: tuple[tuple[int, ...], ...] | None = None
+    cp: int = 1  # context parallel (last: layouts are also built positionally)
 
     @classmethod
     def of(cls, parallel) -> "Layout":
@@ -77,7 +81,13 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.cp * self.pp * self.tp
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that hold the same parameters and average their gradients: the dp replicas
+        times the cp ranks of each (each saw a different slice of the same sequences)."""
+        return self.dp * self.cp
 
     @property
     def stages_per_rank(self) -> int:
@@ -104,46 +114,62 @@ class Layout:
             return 1
         return {"1f1b": self.pp, "zbv": 2 * self.pp, "dualpipev": 2 * self.pp}.get(self.schedule, 1)
 
-    def coords(self, rank: int) -> dict[str, int]:
-        """Rank -> position in the mesh. tp varies fastest so a TP group is contiguous ranks
-        (and so lands in one node when bundles are packed per node)."""
-        return {"dp": rank // (self.tp * self.pp), "pp": (rank // self.tp) % self.pp, "tp": rank % self.tp}
+    MESH_DIMS = ("dp", "cp", "pp", "tp")  # outermost first
 
-    def rank_of(self, dp: int, pp: int, tp: int) -> int:
-        return (dp * self.pp + pp) * self.tp + tp
+    def coords(self, rank: int) -> dict[str, int]:
+        """Rank -> position in the mesh (dp, cp, pp, tp). tp varies fastest so a TP group is
+        contiguous ranks (and so lands in one node when bundles are packed per node); cp sits
+        next to dp so the two flatten into the one data-parallel dimension gradients average over."""
+        return {"dp": rank // (self.tp * self.pp * self.cp), "cp": rank // (self.tp * self.pp) % self.cp,
+                "pp": (rank // self.tp) % self.pp, "tp": rank % self.tp}
+
+    def rank_of(self, dp: int, pp: int, tp: int, cp: int = 0) -> int:
+        return ((dp * self.cp + cp) * self.pp + pp) * self.tp + tp
 
     def ranks_where(self, **coords: int) -> list[int]:
         """Ranks whose mesh coordinates match, e.g. ranks_where(pp=0) (the first stage)."""
         return [r for r in range(self.world_size)
                 if all(self.coords(r)[k] == v for k, v in coords.items())]
 
-    def build_mesh(self, device_type: str):
+    def build_mesh(self, device_type: str) -> dict:
+        """The device mesh's dimensions by name (dp, cp, pp, tp) and "data": the data-parallel
+        one that ZeRO shards and gradients average over (dp, or dp and cp flattened into one)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, (self.dp, self.pp, self.tp), mesh_dim_names=("dp", "pp", "tp"))
+        mesh = init_device_mesh(device_type, (self.dp, self.cp, self.pp, self.tp), mesh_dim_names=self.MESH_DIMS)
+        dims = {name: mesh[name] for name in self.MESH_DIMS}
+        # DeviceMesh._flatten is how torch (and torchtitan) join adjacent dimensions; FSDP2 over TP
+        # needs its mesh and the TP mesh cut from one root, which a second init_device_mesh is not.
+        dims["data"] = mesh["dp", "cp"]._flatten("dp_cp") if self.cp > 1 else dims["dp"]
+        return dims
 
     # -- text and records ---------------------------------------------------------------------
 
     def text(self, detail: bool = False) -> str:
         """The layout as people read it; `detail` adds micro-batch size, schedule and options."""
-        core = f"dp={self.dp} pp={self.pp} tp={self.tp} zero={self.zero}"
+        core = f"dp={self.dp}{f' cp={self.cp}' * (self.cp > 1)} pp={self.pp} tp={self.tp} zero={self.zero}"
         if not detail:
             return core
         extra = [f"mbs={self.micro_batch_size}"] + ([self.schedule] if self.pp > 1 else [])
         extra += ["+AC"] * self.activation_checkpointing + ["+SP"] * self.sequence_parallel
         return " ".join([core, *extra])
 
+    def replica_text(self) -> str:
+        """One data-parallel replica's shape, e.g. "pp=2 x tp=2"."""
+        return f"{f'cp={self.cp} x ' * (self.cp > 1)}pp={self.pp} x tp={self.tp}"
+
     def tag(self) -> str:
         """The layout as an identifier (MLflow tag, run name)."""
-        return f"dp{self.dp}-pp{self.pp}-tp{self.tp}-zero{self.zero}"
+        return f"dp{self.dp}{f'-cp{self.cp}' * (self.cp > 1)}-pp{self.pp}-tp{self.tp}-zero{self.zero}"
 
     def record(self) -> dict:
         """What checkpoints, restart events and MLflow record: enough to reshard from."""
-        return {"dp": self.dp, "pp": self.pp, "tp": self.tp, "zero": self.zero, "world_size": self.world_size}
+        return {"dp": self.dp, "cp": self.cp, "pp": self.pp, "tp": self.tp, "zero": self.zero,
+                "world_size": self.world_size}
 
     @classmethod
     def from_record(cls, record: dict) -> "Layout":
-        return cls(record["dp"], record["pp"], record["tp"], record["zero"])
+        return cls(record["dp"], record["pp"], record["tp"], record["zero"], cp=record.get("cp", 1))
 
     def as_parallel(self) -> dict:
         """The config's `parallel` section for this layout."""
@@ -163,8 +189,8 @@ class Layout:
     def problems(self, shape: ModelShape, global_batch: int, seq_len: int,
                  devices_per_node: int | None = None) -> list[str]:
         """Every reason this layout cannot run this model at this batch, most basic first."""
-        return [*self._tensor_problems(shape, seq_len, devices_per_node), *self._pipeline_problems(shape),
-                *self._batch_problems(global_batch)]
+        return [*self._tensor_problems(shape, seq_len, devices_per_node), *self._context_problems(shape, seq_len),
+                *self._pipeline_problems(shape), *self._batch_problems(global_batch)]
 
     def _tensor_problems(self, shape: ModelShape, seq_len: int, devices_per_node: int | None):
         tp = self.tp
@@ -190,6 +216,22 @@ class Layout:
             yield ("parallel.zero=1 (ZeroRedundancyOptimizer) does not take tensor-parallel (DTensor) "
                    "parameters; use parallel.zero=2 (same memory for optimizer state, plus sharded "
                    "gradients) or 0")
+
+    def _context_problems(self, shape: ModelShape, seq_len: int):
+        cp, tp = self.cp, self.tp
+        if cp == 1:
+            return
+        if shape.cp_heads is None:
+            yield (f"parallel.cp is implemented for the built-in model only, not {shape.kind}: set parallel.cp=1 "
+                   "(or train shorter sequences, or use parallel.tp with sequence_parallel to cut activations)")
+            return
+        if shape.cp_heads % (tp * cp):
+            yield (f"parallel.cp ({cp}) x parallel.tp ({tp}) must divide model.n_heads ({shape.cp_heads}): context "
+                   "parallelism gives each cp rank a share of every TP rank's heads; change parallel.cp")
+        split = cp * tp if self.sequence_parallel else cp
+        if seq_len % split:
+            what = "parallel.cp x parallel.tp (sequence parallel)" if self.sequence_parallel else "parallel.cp"
+            yield f"{what} = {split} must divide train.seq_len ({seq_len}): make it a multiple of {split}"
 
     def _pipeline_problems(self, shape: ModelShape):
         if self.schedule not in SCHEDULES:

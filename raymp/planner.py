@@ -159,7 +159,7 @@ def estimate(args, layout: Layout, global_batch: int, seq_len: int, bf16: bool,
     layers = stage_layers or (_balanced(args, layout.num_stages) if pp > 1 else [list(range(args.n_layers))])
     micro = layout.micro_batches(global_batch)
     act_bytes = 2 if bf16 else 4
-    tokens = layout.micro_batch_size * seq_len
+    tokens = layout.micro_batch_size * seq_len / layout.cp  # a cp rank holds its slice of every sequence
     per_block, block_input = activation_elements_per_token(args, tp, layout.sequence_parallel)
     sharded, replicated = args.block_params
     out = []
@@ -167,7 +167,7 @@ def estimate(args, layout: Layout, global_batch: int, seq_len: int, bf16: bool,
         mine = local_stages(rank, pp, len(layers), layout.schedule) if pp > 1 else [0]
         first, last = 0 in mine, len(layers) - 1 in mine
         psi = sum(stage_params(args, layers[s], s == 0, s == len(layers) - 1, tp) for s in mine)
-        p, g, o, working = _model_state(psi, layout.zero, layout.dp, bf16)
+        p, g, o, working = _model_state(psi, layout.zero, layout.data_parallel_size, bf16)
         n_blocks = sum(len(layers[s]) for s in mine)
         per_mb = n_blocks * (block_input if layout.activation_checkpointing else per_block) * act_bytes
         if first:
@@ -201,8 +201,8 @@ def step_flops(args, global_batch: int, seq_len: int) -> float:
 def step_seconds(args, layout: Layout, cluster: Cluster, global_batch: int, seq_len: int) -> dict:
     """Compute (6·Ψ·tokens + attention, x4/3 with recomputation) spread over every device at the
     achievable MFU, stretched by the pipeline bubble, plus exposed TP all-reduces (inside a
-    node), the pipeline's activation sends between stages, and the dp gradient reduction
-    (across nodes when dp spans them)."""
+    node), context parallelism's all-to-alls, the pipeline's activation sends between stages,
+    and the dp (x cp) gradient reduction (across nodes when it spans them)."""
     from raymp.parallel.pipeline import theoretical_bubble
 
     flops = step_flops(args, global_batch, seq_len)
@@ -213,23 +213,32 @@ def step_seconds(args, layout: Layout, cluster: Cluster, global_batch: int, seq_
     bubble = theoretical_bubble(layout.schedule, layout.pp, micro, layout.stages_per_rank) if layout.pp > 1 else 0.0
     compute /= 1 - (bubble or 0.0)
     tp_time = 0.0
+    local_seq = seq_len / layout.cp
     if layout.tp > 1:  # 4 all-reduces of a micro-batch's hidden states per block (2 fwd, 2 bwd)
-        volume = 4 * args.n_layers / layout.pp * layout.micro_batch_size * seq_len * args.dim * 2
+        volume = 4 * args.n_layers / layout.pp * layout.micro_batch_size * local_seq * args.dim * 2
         tp_time = micro * volume * 2 * (layout.tp - 1) / layout.tp / (cluster.intra_node_gbps * GB)
         tp_time += micro * 4 * args.n_layers / layout.pp * cluster.message_latency_s
     spans_nodes = layout.world_size > cluster.gpus_per_node
+    cp_time = 0.0
+    if layout.cp > 1:  # per block: q, k, v and the output all-to-all forward, their gradients back
+        exchanges = micro * 8 * args.n_layers / layout.pp
+        local = layout.micro_batch_size * local_seq * args.dim / layout.tp * 2  # k, v repeated to every head
+        cp_time = exchanges * (local * (layout.cp - 1) / layout.cp / (cluster.intra_node_gbps * GB)
+                               + cluster.message_latency_s)
     pp_time = 0.0
     if layout.pp > 1:  # per micro-batch and stage chunk: activations forward, their gradient back
-        hidden = layout.micro_batch_size * seq_len * args.dim * 2 / (layout.tp if layout.sequence_parallel else 1)
+        hidden = layout.micro_batch_size * local_seq * args.dim * 2 / (layout.tp if layout.sequence_parallel else 1)
         bw = (cluster.inter_node_gbps if spans_nodes else cluster.intra_node_gbps) * GB  # pp is outermost
         pp_time = micro * layout.stages_per_rank * 2 * (hidden / bw + cluster.message_latency_s)
     dp_time = 0.0
-    if layout.dp > 1:
+    ranks = layout.data_parallel_size
+    if ranks > 1:
         grads = args.num_params / (layout.pp * layout.tp) * 4  # fp32 gradients of one rank's shard of the model
         bw = (cluster.inter_node_gbps if spans_nodes else cluster.intra_node_gbps) * GB
-        dp_time = 2 * grads * (layout.dp - 1) / layout.dp / bw * 0.5 + cluster.message_latency_s  # half hidden behind backward
-    total = compute + tp_time + pp_time + dp_time
-    return {"step_s": total, "compute_s": compute, "tp_comm_s": tp_time, "pp_comm_s": pp_time, "dp_comm_s": dp_time,
+        dp_time = 2 * grads * (ranks - 1) / ranks / bw * 0.5 + cluster.message_latency_s  # half hidden behind backward
+    total = compute + tp_time + cp_time + pp_time + dp_time
+    return {"step_s": total, "compute_s": compute, "tp_comm_s": tp_time, "cp_comm_s": cp_time, "pp_comm_s": pp_time,
+            "dp_comm_s": dp_time,
             "bubble": bubble or 0.0, "tokens_per_s": global_batch * seq_len / total}
 
 

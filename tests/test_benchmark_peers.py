@@ -15,7 +15,8 @@ from benchmarks.common import global_batches
 from benchmarks.peers_plain import run_plain
 
 
-@pytest.mark.parametrize("module", ["run_all", "sections", "elastic", "scale", "driver_overhead", "peers_ray_train",
+@pytest.mark.parametrize("module", ["run_all", "sections", "elastic", "scale", "driver_overhead", "long_context",
+                                    "peers_ray_train",
                                     "peers_plain"])
 def test_benchmark_modules_import(module):
     importlib.import_module(f"benchmarks.{module}")

@@ -50,6 +50,7 @@ LOAD_LAYOUTS = {
     "tp2": (2, dict(dp=1, tp=2)),
     "dp2-zero3": (2, dict(dp=2, zero=3)),
     "dp2-tp2-zero2-sp": (4, dict(dp=2, tp=2, zero=2, sequence_parallel=True)),
+    "dp2-cp2-zero3": (4, dict(dp=2, cp=2, zero=3)),
 }
 
 

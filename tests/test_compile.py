@@ -1,5 +1,5 @@
 """train.compile: each transformer block compiled in place (TP -> AC -> compile -> FSDP) trains
-as the eager single-process reference does, under dp2 ZeRO-3, pp2 and tp2."""
+as the eager single-process reference does, under dp2 ZeRO-3, pp2, tp2 and cp2."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ LAYOUTS = {
     "pp2": {"dp": 1, "pp": 2, "micro_batch_size": 1, "schedule": "1f1b"},
     "tp2-ac": {"dp": 1, "tp": 2, "micro_batch_size": 2, "activation_checkpointing": True},
     "tp2": {"dp": 1, "tp": 2, "micro_batch_size": 2},
+    "cp2": {"dp": 1, "cp": 2, "micro_batch_size": 2},  # the all-to-all inside the compiled block
 }
 
 

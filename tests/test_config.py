@@ -45,7 +45,7 @@ BAD = {
     "tp does not divide kv heads": ({"model": {"n_heads": 8, "n_kv_heads": 2}, "parallel": {"tp": 4}},
                                     ["parallel.tp (4)", "model.n_kv_heads (2)"]),
     "devices mismatch": ({"parallel": {"dp": 2}, "train": {"global_batch_size": 16}, "resources": {"devices": 4}},
-                         ["resources.devices (4)", "dp*pp*tp"]),
+                         ["resources.devices (4)", "dp*cp*pp*tp"]),
     "batch not divisible": ({"parallel": {"dp": 2, "micro_batch_size": 4}, "train": {"global_batch_size": 12}},
                             ["train.global_batch_size (12)", "8 or 16"]),
     "seq_len beyond context": ({"train": {"seq_len": 512}}, ["train.seq_len (512)", "model.max_seq_len (256)"]),

@@ -59,13 +59,13 @@ def _planner_verdict(run: dict) -> str:
 
 
 def _layouts():
-    for dp, pp, tp, zero, mbs, sp, schedule, gb, seq in itertools.product(
-            (1, 2, 3, 4), (1, 2, 4), (1, 2, 4), (0, 1, 2, 3), (1, 2), (False, True),
+    for dp, cp, pp, tp, zero, mbs, sp, schedule, gb, seq in itertools.product(
+            (1, 2, 3, 4), (1, 1, 2, 4), (1, 2, 4), (1, 2, 4), (0, 1, 2, 3), (1, 2), (False, True),
             ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev"), (8, 12, 16), (30, 32)):
         virtual = (None, 3) if schedule == "interleaved" else (None,)
         for v in virtual:
-            yield {"dp": dp, "pp": pp, "tp": tp, "zero": zero, "micro_batch_size": mbs, "sequence_parallel": sp,
-                   "schedule": schedule, "virtual_stages": v}, gb, seq
+            yield {"dp": dp, "cp": cp, "pp": pp, "tp": tp, "zero": zero, "micro_batch_size": mbs,
+                   "sequence_parallel": sp, "schedule": schedule, "virtual_stages": v}, gb, seq
 
 
 def test_planner_and_config_agree_on_2500_layouts():
@@ -90,6 +90,11 @@ def test_planner_and_config_agree_on_2500_layouts():
     ("gpt2 n_inner=258", {"tp": 4}, 8, "must divide n_inner (258)"),
     ("llama", {"tp": 2, "sequence_parallel": True}, 8, ""),
     ("gpt2 n_inner=256", {"tp": 2, "sequence_parallel": True}, 8, "not implemented for the Hugging Face gpt2 model"),
+    # Context parallelism: the built-in model only; cp x tp splits the heads; cp splits the sequence.
+    ("tiny", {"cp": 2, "tp": 2, "sequence_parallel": True}, 8, ""),
+    ("llama", {"cp": 2}, 8, "parallel.cp is implemented for the built-in model only"),
+    ("tiny", {"cp": 4, "tp": 2}, 8, "must divide model.n_heads (4)"),
+    ("odd built-in", {"cp": 3}, 8, "parallel.cp = 3 must divide train.seq_len (32)"),
 ])
 def test_once_disagreeing_cases_get_one_verdict(model, parallel, gb, verdict):
     run = _run(model, parallel, gb, 32)
@@ -120,10 +125,22 @@ def test_layout_text_forms_and_records_round_trip():
     assert lay.tag() == "dp2-pp2-tp2-zero3"
     assert Layout.from_record(lay.record()).text() == lay.text()
     assert [lay.coords(r) for r in (0, 1, 2, 7)] == [
-        {"dp": 0, "pp": 0, "tp": 0}, {"dp": 0, "pp": 0, "tp": 1}, {"dp": 0, "pp": 1, "tp": 0},
-        {"dp": 1, "pp": 1, "tp": 1}]
+        {"dp": 0, "cp": 0, "pp": 0, "tp": 0}, {"dp": 0, "cp": 0, "pp": 0, "tp": 1},
+        {"dp": 0, "cp": 0, "pp": 1, "tp": 0}, {"dp": 1, "cp": 0, "pp": 1, "tp": 1}]
     assert all(lay.rank_of(**lay.coords(r)) == r for r in range(lay.world_size))
     assert lay.ranks_where(pp=0) == [0, 1, 4, 5]
+
+
+def test_context_parallel_ranks_sit_between_dp_and_pp():
+    """cp next to dp, so dp x cp flattens into the one group gradients average over."""
+    lay = Layout(dp=2, cp=2, pp=2, tp=1, zero=3)
+    assert lay.world_size == 8 and lay.data_parallel_size == 4
+    assert lay.text() == "dp=2 cp=2 pp=2 tp=1 zero=3" and lay.tag() == "dp2-cp2-pp2-tp1-zero3"
+    assert [lay.coords(r) for r in (1, 2, 5)] == [
+        {"dp": 0, "cp": 0, "pp": 1, "tp": 0}, {"dp": 0, "cp": 1, "pp": 0, "tp": 0}, {"dp": 1, "cp": 0, "pp": 1, "tp": 0}]
+    assert all(lay.rank_of(**lay.coords(r)) == r for r in range(lay.world_size))
+    assert Layout.from_record(lay.record()) == lay
+    assert Layout.from_record({"dp": 2, "pp": 1, "tp": 1, "zero": 0}).cp == 1  # records from before cp
 
 
 def test_the_drivers_stage_split_is_not_a_second_validation(monkeypatch):

@@ -93,6 +93,17 @@ def test_step_time_prices_pipeline_transfers_and_message_latency():
     assert best.pp < 8 and best.dp > 1, best
 
 
+def test_context_parallel_divides_activations_and_prices_its_all_to_alls():
+    cluster = Cluster(nodes=1, gpus_per_node=8, gpu_memory_gb=80)
+    args = _args("llama-8b", 128256)
+    whole, split = (Layout(dp=8 // cp, zero=3, cp=cp, activation_checkpointing=True) for cp in (1, 4))
+    a, b = (estimate(args, lay, 8, 32768, True)[0] for lay in (whole, split))
+    assert b.activation_bytes == pytest.approx(a.activation_bytes / 4)
+    assert b.model_state_bytes == pytest.approx(a.model_state_bytes)  # ZeRO-3 shards over dp x cp = 8 either way
+    t_whole, t_split = (step_seconds(args, lay, cluster, 8, 32768) for lay in (whole, split))
+    assert t_whole["cp_comm_s"] == 0 < t_split["cp_comm_s"]
+
+
 def test_gpt3_175b_plan_explains_the_seed_layout():
     cluster = Cluster(nodes=8, gpus_per_node=8, gpu_memory_gb=80)
     args = _args("gpt3-175b", 50304)

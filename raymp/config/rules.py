@@ -26,8 +26,8 @@ def check_run(cfg) -> None:
     devices = cfg.resources.devices
     if devices is not None and devices != p.world_size:
         raise ValueError(
-            f"resources.devices ({devices}) must equal parallel.dp*pp*tp = "
-            f"{p.dp}*{p.pp}*{p.tp} = {p.world_size}; change one of them"
+            f"resources.devices ({devices}) must equal parallel.dp*cp*pp*tp = "
+            f"{p.dp}*{p.cp}*{p.pp}*{p.tp} = {p.world_size}; change one of them"
         )
     if t.seq_len > m.max_seq_len:
         raise ValueError(

@@ -107,12 +107,15 @@ _MODEL_SHAPE_FIELDS = [
 
 
 class ParallelConfig(_Strict):
-    """How the model is spread: dp replicas x pp stages x tp shards, ZeRO stage on dp."""
+    """How the model is spread: dp replicas x cp sequence shards x pp stages x tp shards, ZeRO
+    stage on dp (and cp: its ranks hold the same parameters)."""
 
     dp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
     tp: int = Field(1, ge=1)
     zero: Literal[0, 1, 2, 3] = 0
+    cp: int = Field(1, ge=1, description="context parallel: each sequence split over cp ranks, attention "
+                    "by all-to-all over heads (Ulysses); the built-in model")
     micro_batch_size: int = Field(1, ge=1, description="sequences per micro-batch per replica")
     activation_checkpointing: bool = False
     sequence_parallel: bool = Field(False, description="with tp > 1: shard norms' activations by sequence")
@@ -220,7 +223,7 @@ class ResourcesConfig(_Strict):
     """What each actor asks Ray for, and how long the driver waits for things."""
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    devices: int | None = Field(None, ge=1, description="total devices; must equal dp*pp*tp")
+    devices: int | None = Field(None, ge=1, description="total devices; must equal dp*cp*pp*tp")
     cpus_per_actor: float = Field(1, gt=0)
     address: str | None = Field(None, description="Ray address; None: RAY_ADDRESS, else local Ray")
     placement_timeout_s: float = Field(120, gt=0, description="for the placement groups to be ready")

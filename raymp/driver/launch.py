@@ -69,7 +69,7 @@ class Launcher:
         if self.shared_group is not None:
             if self.shared_group.world_size != lay.world_size:
                 raise ValueError(f"the actor group given has {self.shared_group.world_size} actors but the "
-                                 f"layout needs dp*pp*tp = {lay.world_size}")
+                                 f"layout needs dp*cp*pp*tp = {lay.world_size}")
             self.shared_group.check_tp_groups_share_nodes(lay.tp)
             return self.shared_group
         return ActorGroup(lay.world_size, self.device, r.cpus_per_actor, r.placement_timeout_s,

@@ -120,7 +120,7 @@ def run_tags(cfg: RunConfig, device: str, backend: str, num_params: int) -> dict
     lay = cfg.parallel.layout
     return {
         "raymp.layout": lay.tag(),
-        "raymp.dp": str(lay.dp), "raymp.pp": str(lay.pp), "raymp.tp": str(lay.tp),
+        "raymp.dp": str(lay.dp), "raymp.cp": str(lay.cp), "raymp.pp": str(lay.pp), "raymp.tp": str(lay.tp),
         "raymp.zero": str(lay.zero), "raymp.world_size": str(lay.world_size),
         "raymp.schedule": lay.schedule if lay.pp > 1 else "none",
         "raymp.device": device, "raymp.backend": backend, "raymp.num_params": str(num_params),

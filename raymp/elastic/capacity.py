@@ -1,7 +1,7 @@
 """Re-planning after a loss: how many data-parallel replicas the cluster holds now, and the dp
-to restart with. pp x tp is kept (a replica's shape is what the model's memory needs); dp shrinks
-to what fits, and the global batch stays the same, each replica taking more micro-batches, so the
-loss curve goes on as if nothing happened.
+to restart with. cp x pp x tp is kept (a replica's shape is what the model's memory needs); dp
+shrinks to what fits, and the global batch stays the same, each replica taking more
+micro-batches, so the loss curve goes on as if nothing happened.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class Capacity:
 
 
 def capacity(cfg: RunConfig, device: str, reserve_node: str | None, reserve_cpus: float) -> Capacity:
-    """Replicas of pp x tp actors the live nodes can hold. A TP group must sit on one node;
+    """Replicas of cp x pp x tp actors the live nodes can hold. A TP group must sit on one node;
     `reserve_cpus` stay free on `reserve_node` (the data streams' tasks) or on the largest node."""
     p, r = cfg.parallel, cfg.resources
     nodes = [n for n in ray.nodes() if n.get("Alive")]
@@ -43,7 +43,7 @@ def capacity(cfg: RunConfig, device: str, reserve_node: str | None, reserve_cpus
             slots = min(slots, int(res.get("GPU", 0)))
         groups += slots // p.tp
         parts.append(f"{n.get('NodeManagerAddress', '?')}: {slots} actor(s)")
-    return Capacity(groups // p.pp, len(nodes), "; ".join(parts))
+    return Capacity(groups // (p.cp * p.pp), len(nodes), "; ".join(parts))
 
 
 def largest_valid_dp(cfg: RunConfig, limit: int) -> int | None:
@@ -77,14 +77,14 @@ def wait_for_replicas(cfg: RunConfig, target_dp: int, device: str, reserve_node:
         if fits is not None or time.monotonic() >= deadline:
             break
         if not announced:
-            log(f"elastic: the live nodes hold no replica of pp={cfg.parallel.pp} x tp={cfg.parallel.tp} "
+            log(f"elastic: the live nodes hold no replica of {cfg.parallel.layout.replica_text()} "
                 f"({cap.detail}); waiting up to {el.wait_for_resources_s:g}s (elastic.wait_for_resources_s)")
             announced = True
         time.sleep(el.poll_s)
     waited = time.monotonic() - t0 if announced else 0.0
     if fits is None:
         raise ElasticError(
-            f"after waiting {waited:.0f}s (elastic.wait_for_resources_s) no replica of pp={cfg.parallel.pp} "
-            f"x tp={cfg.parallel.tp} actors fits the live nodes ({cap.detail or 'none'}); add nodes and "
-            "resume from the last checkpoint (checkpoint.resume=auto), or lower parallel.pp/tp")
+            f"after waiting {waited:.0f}s (elastic.wait_for_resources_s) no replica of {cfg.parallel.layout.replica_text()} "
+            f"actors fits the live nodes ({cap.detail or 'none'}); add nodes and "
+            "resume from the last checkpoint (checkpoint.resume=auto), or lower parallel.cp/pp/tp")
     return fits, waited, cap

@@ -40,7 +40,8 @@ def model_shape(model_cfg, vocab_size: int | None, tokenizer: str | None = None)
                           kind="model.factory's module", layers_field="the layer count of model.factory's module")
     return ModelShape(model_cfg.n_layers, (("model.n_heads", model_cfg.n_heads, False),
                                            ("model.n_kv_heads", model_cfg.n_kv_heads, False),
-                                           ("model.ffn_dim", model_cfg.ffn_dim, False), *vocab_entry))
+                                           ("model.ffn_dim", model_cfg.ffn_dim, False), *vocab_entry),
+                      cp_heads=model_cfg.n_heads)
 
 
 def probed_shape(model: dict) -> dict:

@@ -14,6 +14,7 @@ from raymp.models.masks import document_ids, mask_kwargs
 from raymp.models.spec import build_part, keep_only
 from raymp.parallel.checkpointing import apply_activation_checkpointing
 from raymp.parallel.compile import apply_compile
+from raymp.parallel.context import apply_context_parallel, sequence_slice
 from raymp.parallel.pipeline import (
     SCHEDULES,
     ZERO_BUBBLE,
@@ -37,8 +38,21 @@ def _build(spec, cfg, mesh, device, prune=None):
     """This rank's part of the model: built on meta, pruned to its stage, tensor-parallel, and
     only then allocated and filled (raymp.models.spec), so no rank holds the whole model."""
     p = cfg.parallel
-    return build_part(spec, device, prune=prune, tp_mesh=mesh["tp"] if p.tp > 1 else None,
-                      sequence_parallel=p.sequence_parallel)
+    model = build_part(spec, device, prune=prune, tp_mesh=mesh["tp"] if p.tp > 1 else None,
+                       sequence_parallel=p.sequence_parallel)
+    if p.cp > 1:
+        apply_context_parallel(model, mesh["cp"], cfg.train.seq_len)
+    return model
+
+
+def _cp_mean(value: torch.Tensor, mesh) -> float:
+    """A loss averaged over this rank's cp group: each cp rank measured its slice of the same
+    sequences (equal slices, so the mean of means is the mean over every token)."""
+    if mesh["cp"].size() > 1:
+        value = value.detach().clone()
+        dist.all_reduce(value, group=mesh["cp"].get_group())
+        value /= mesh["cp"].size()
+    return float(value)
 
 
 def _parallelize(modules, spec, cfg, mesh, device, zero_bubble: bool = False):
@@ -51,7 +65,7 @@ def _parallelize(modules, spec, cfg, mesh, device, zero_bubble: bool = False):
         if cfg.train.compile:
             apply_compile(module, spec.block_names(module), tensor_parallel=p.tp > 1)
     return apply_data_parallel(
-        modules, mesh["dp"], cfg.optimizer, p.zero, device,
+        modules, mesh["data"], cfg.optimizer, p.zero, device,
         torch.bfloat16 if cfg.precision == "bf16" else None, spec.block_names,
         # Zero-bubble + FSDP2 resharding after forward yields wrong weight gradients (docs/design.md).
         reshard_after_forward=False if zero_bubble else None,
@@ -66,7 +80,7 @@ class LocalStep:
     counted_elsewhere: tuple = ()
 
     def __init__(self, cfg, spec, mesh, coords, device, document_eot: int | None = None):
-        self.cfg, self.device, self.document_eot = cfg, device, document_eot
+        self.cfg, self.device, self.document_eot, self.mesh = cfg, device, document_eot, mesh
         model = _build(spec, cfg, mesh, device)
         self.num_params = spec.num_params()
         self.tied_embeddings = spec.tie_embeddings
@@ -80,33 +94,40 @@ class LocalStep:
         tokens = torch.from_numpy(np.asarray(tokens).astype(np.int64)).to(self.device)
         return list(tokens.split(self.cfg.parallel.micro_batch_size))
 
+    def _split(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """A micro-batch's inputs and labels (this cp rank's slice of the sequence) and the
+        forward's mask keywords (document ids of the whole sequence: attention sees all of it)."""
+        inputs, cp = batch[:, :-1], self.mesh["cp"]
+        return sequence_slice(inputs, cp), sequence_slice(batch[:, 1:], cp), mask_kwargs(inputs, self.document_eot)
+
     def forward_backward(self, tokens: np.ndarray) -> dict:
         """tokens: this replica's samples of the step, [local batch, seq_len + 1]."""
         micro = self._micro_batches(tokens)
         n = len(micro)
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro):
+            inputs, labels, masks = self._split(batch)
             with self.engine.no_sync(i == n - 1), loss_context(self.cfg.parallel.tp):
                 with autocast_context(self.device, self._autocast_dtype), self.meter.hooks():
-                    logits = self.engine.model(batch[:, :-1], **mask_kwargs(batch[:, :-1], self.document_eot))
-                    loss = self.loss_meter.measure(lm_loss, logits, batch[:, 1:])
+                    logits = self.engine.model(inputs, **masks)
+                    loss = self.loss_meter.measure(lm_loss, logits, labels)
                 del logits
                 (loss / n).backward()
             loss_sum += local_tensor(loss.detach())
         self.engine.finish_gradients()
         peak, _ = self.meter.peak, self.meter.reset_peak()
-        return {"loss": float(loss_sum) / n, "activation_peak_bytes": peak, **self.loss_meter.report()}
+        return {"loss": _cp_mean(loss_sum, self.mesh) / n, "activation_peak_bytes": peak, **self.loss_meter.report()}
 
     @torch.no_grad()
     def evaluate(self, tokens: np.ndarray) -> float:
         """Mean loss over `tokens` (forward only, same micro-batches as training)."""
         micro = self._micro_batches(tokens)
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for batch in micro:
+            inputs, labels, masks = self._split(batch)
             with loss_context(self.cfg.parallel.tp), autocast_context(self.device, self._autocast_dtype):
-                logits = self.engine.model(batch[:, :-1], **mask_kwargs(batch[:, :-1], self.document_eot))
-                total += float(local_tensor(lm_loss(logits, batch[:, 1:])))
-        return total / len(micro)
+                total += local_tensor(lm_loss(self.engine.model(inputs, **masks), labels)).double()
+        return _cp_mean(total, self.mesh) / len(micro)
 
 
 class LossMeter:
@@ -144,16 +165,18 @@ def _tied_group(dims, coords):
     """The process group joining pp rank 0 (embedding) and pp rank p-1 (tied head) of this
     rank's (dp, tp) position; None on the ranks in between. Every rank must call new_group for
     every group in one order, so all are made on first use and cached per layout."""
-    key = (dims.dp, dims.pp, dims.tp)
+    key = (dims.dp, dims.cp, dims.pp, dims.tp)
     if key not in _TIED_GROUPS:
         _TIED_GROUPS[key] = {
-            (dp, tp): dist.new_group([dims.rank_of(dp=dp, pp=0, tp=tp), dims.rank_of(dp=dp, pp=dims.pp - 1, tp=tp)])
+            (dp, cp, tp): dist.new_group([dims.rank_of(dp=dp, pp=0, tp=tp, cp=cp),
+                                          dims.rank_of(dp=dp, pp=dims.pp - 1, tp=tp, cp=cp)])
             for dp in range(dims.dp)
+            for cp in range(dims.cp)
             for tp in range(dims.tp)
         }
     if coords["pp"] not in (0, dims.pp - 1):
         return None
-    return _TIED_GROUPS[key][(coords["dp"], coords["tp"])]
+    return _TIED_GROUPS[key][(coords["dp"], coords["cp"], coords["tp"])]
 
 
 class PipelineStep:
@@ -168,7 +191,7 @@ class PipelineStep:
 
     def __init__(self, cfg, spec, mesh, coords, device, dims, document_eot: int | None = None):
         p = cfg.parallel
-        self.cfg, self.device, self.dims, self.document_eot = cfg, device, dims, document_eot
+        self.cfg, self.device, self.dims, self.document_eot, self.mesh = cfg, device, dims, document_eot, mesh
         self.pp_rank = coords["pp"]
         self.pp_group = mesh["pp"].get_group()
         num_stages = p.num_stages
@@ -226,26 +249,30 @@ class PipelineStep:
     def _inputs_and_labels(self, tokens):
         """The first stage splits its batch and sends the labels to the last stage, which
         receives them; stages in between get neither. When documents are masked every stage
-        gets the batch's document ids. Returns (inputs, labels, document ids, pending sends)."""
+        gets the batch's document ids. Under context parallelism inputs and labels are this cp
+        rank's slice of the sequence, document ids the whole sequence's. Returns (inputs,
+        labels, document ids, pending sends)."""
         p, t = self.cfg.parallel, self.cfg.train
         inputs = labels = doc_ids = None
         sends = []
-        local_shape = (t.global_batch_size // p.dp, t.seq_len)
+        rows = t.global_batch_size // p.dp
         if self.is_first:
             batch = torch.from_numpy(np.asarray(tokens).astype(np.int64)).to(self.device)
-            inputs, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+            whole = batch[:, :-1]
+            inputs, labels = sequence_slice(whole, self.mesh["cp"]), sequence_slice(batch[:, 1:], self.mesh["cp"])
+            inputs, labels = inputs.contiguous(), labels.contiguous()
             if not self.is_last:
                 sends.append(dist.isend(labels, group=self.pp_group, group_dst=self.last_pp_rank, tag=self.LABEL_TAG))
             if self.document_eot is not None:
-                doc_ids = document_ids(inputs, self.document_eot)
+                doc_ids = document_ids(whole, self.document_eot)
                 sends += [dist.isend(doc_ids, group=self.pp_group, group_dst=r, tag=self.DOCUMENT_TAG)
                           for r in range(1, p.pp)]
         else:
             if self.is_last:
-                labels = torch.empty(local_shape, dtype=torch.int64, device=self.device)
+                labels = torch.empty((rows, t.seq_len // p.cp), dtype=torch.int64, device=self.device)
                 dist.recv(labels, group=self.pp_group, group_src=0, tag=self.LABEL_TAG)
             if self.document_eot is not None:
-                doc_ids = torch.empty(local_shape, dtype=torch.int64, device=self.device)
+                doc_ids = torch.empty((rows, t.seq_len), dtype=torch.int64, device=self.device)
                 dist.recv(doc_ids, group=self.pp_group, group_src=0, tag=self.DOCUMENT_TAG)
         return inputs, labels, doc_ids, sends
 
@@ -278,7 +305,7 @@ class PipelineStep:
                     self._send_activation(x, owner[s + 1])
         for send in sends:
             send.wait()
-        return sum(losses) / len(losses) if self.is_last else None
+        return _cp_mean(torch.tensor(sum(losses) / len(losses), dtype=torch.float64), self.mesh) if self.is_last else None
 
     def _send_activation(self, x: torch.Tensor, dst: int) -> None:
         x = local_tensor(x).contiguous()
@@ -315,7 +342,8 @@ class PipelineStep:
         self.engine.finish_gradients()
         self._sync_tied_grads()
         return {
-            "loss": float(torch.stack([local_tensor(x.detach()) for x in losses]).mean()) if self.is_last else None,
+            "loss": _cp_mean(torch.stack([local_tensor(x.detach()) for x in losses]).mean(), self.mesh)
+            if self.is_last else None,
             "pipeline_events": list(self.clock.events),
             "activation_peak_bytes": self.meter.peak,
             **(self.loss_meter.report() if self.is_last else {}),

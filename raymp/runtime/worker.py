@@ -120,7 +120,7 @@ class Worker:
             rank, world_size, dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
 
     def _mesh(self, dims):
-        key = (dims.dp, dims.pp, dims.tp)
+        key = (dims.dp, dims.cp, dims.pp, dims.tp)
         if key not in self._meshes:
             self._meshes[key] = dims.build_mesh(self.device.type)
         return self._meshes[key]
@@ -189,7 +189,7 @@ class Worker:
         out = self.program.forward_backward(tokens)
         p = self.cfg.parallel
         grad_norm = self.engine.clip_grad_norm(
-            self.cfg.optimizer.grad_clip, p.dp * p.tp, self.program.counted_elsewhere
+            self.cfg.optimizer.grad_clip, p.layout.data_parallel_size * p.tp, self.program.counted_elsewhere
         )
         self.engine.optimizer.step()
         lr = self.scheduler.get_last_lr()[0]
@@ -222,7 +222,7 @@ class Worker:
                 grads[_clean(name)] = full.detach().clone().cpu()
         self.engine.optimizer.zero_grad(set_to_none=True)
         self.engine.after_optimizer_step()
-        return grads if self.coords["dp"] == 0 and self.coords["tp"] == 0 else None
+        return grads if self._holds_stage_copy() else None
 
     def _peak_memory(self) -> int:
         if self.device.type == "cuda":
@@ -254,7 +254,11 @@ class Worker:
         """Full (unsharded) weights of this rank's stages on CPU. Every rank must call it (the
         ZeRO gather is collective); dp/tp rank 0 of each pipeline stage returns its part."""
         sd = self.engine.full_state_dict()
-        return {_clean(k): v for k, v in sd.items()} if self.coords["dp"] == 0 and self.coords["tp"] == 0 else None
+        return {_clean(k): v for k, v in sd.items()} if self._holds_stage_copy() else None
+
+    def _holds_stage_copy(self) -> bool:
+        """Whether this rank answers for its pipeline stages (dp, cp and tp rank 0)."""
+        return self.coords["dp"] == 0 and self.coords["cp"] == 0 and self.coords["tp"] == 0
 
     def shutdown(self) -> None:
         self.engine = self.program = None
