@@ -25,12 +25,13 @@ if __package__ in (None, ""):  # `python benchmarks/run_all.py` works too
 
 from benchmarks.common import REPO, importable_benchmarks, machine  # noqa: E402
 
-SECTIONS = ("dp", "orchestration", "pipeline", "memory", "elastic", "scale", "driver", "long_context")
+SECTIONS = ("dp", "orchestration", "pipeline", "memory", "elastic", "scale", "driver", "long_context", "planner")
 
 
 _WHERE = {"dp": "sections:data_parallel", "orchestration": "sections:orchestration", "pipeline": "sections:pipeline",
           "memory": "sections:memory", "elastic": "elastic:measure", "scale": "scale:measure",
-          "driver": "driver_overhead:measure", "long_context": "long_context:measure"}
+          "driver": "driver_overhead:measure", "long_context": "long_context:measure",
+          "planner": "planner_check:measure"}
 
 
 def _section(name: str):

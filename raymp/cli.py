@@ -7,6 +7,8 @@ import sys
 
 import yaml
 
+from raymp.layout import Layout  # light (the config loads it anyway); the heavy modules load per command
+
 
 def _parser() -> argparse.ArgumentParser:
     from raymp.version import __version__
@@ -187,8 +189,8 @@ def _checkpoint(args) -> int:
                 layout, pos = c.meta["layout"], c.data_position
                 problems = verify(c)
                 state = f"damaged: {problems[0]}" if problems else "verified" if "files" in c.meta else "unverified (no checksums)"
-                print(f"{c.path}  step {c.step}  dp={layout['dp']} pp={layout['pp']} tp={layout['tp']} "
-                      f"zero={layout['zero']}  epoch {pos['epoch']} offset {pos['offset']}  {state}")
+                print(f"{c.path}  step {c.step}  {Layout.from_record(layout).text()}  epoch {pos['epoch']} "
+                      f"offset {pos['offset']}  {state}")
         if not any(e.checkpoint for e in entries):
             print(f"no committed checkpoint under {args.dir}")
         return 0
@@ -214,7 +216,6 @@ def _checkpoint(args) -> int:
 
 def _plan(args) -> int:
     from raymp.config import ConfigError, apply_overrides, config_from_dict, read_config_file
-    from raymp.layout import Layout
     from raymp.models import model_args
     from raymp.models.shape import TOKENIZER_VOCAB, model_shape
     from raymp.planner import cluster_from_config, explain, format_plan, plan

@@ -198,11 +198,15 @@ def step_flops(args, global_batch: int, seq_len: int) -> float:
     return 6 * args.num_params * tokens + 12 * args.n_layers * args.dim * seq_len * tokens
 
 
-def step_seconds(args, layout: Layout, cluster: Cluster, global_batch: int, seq_len: int) -> dict:
+def step_seconds(args, layout: Layout, cluster: Cluster, global_batch: int, seq_len: int,
+                 bf16: bool = True) -> dict:
     """Compute (6·Ψ·tokens + attention, x4/3 with recomputation) spread over every device at the
     achievable MFU, stretched by the pipeline bubble, plus exposed TP all-reduces (inside a
     node), context parallelism's all-to-alls, the pipeline's activation sends between stages,
-    and the dp (x cp) gradient reduction (across nodes when it spans them)."""
+    and data parallelism over dp x cp (across nodes when it spans them): the gradient reduction
+    (DDP: once per step; FSDP: a reduce-scatter per micro-batch) and FSDP's parameter gathers
+    (ZeRO-2: once per step; ZeRO-3: forward and backward of every micro-batch). Activations
+    travel in the compute dtype (`bf16`), gradients in fp32."""
     from raymp.parallel.pipeline import theoretical_bubble
 
     flops = step_flops(args, global_batch, seq_len)
@@ -214,28 +218,37 @@ def step_seconds(args, layout: Layout, cluster: Cluster, global_batch: int, seq_
     compute /= 1 - (bubble or 0.0)
     tp_time = 0.0
     local_seq = seq_len / layout.cp
+    act = 2 if bf16 else 4  # bytes per activation value
     if layout.tp > 1:  # 4 all-reduces of a micro-batch's hidden states per block (2 fwd, 2 bwd)
-        volume = 4 * args.n_layers / layout.pp * layout.micro_batch_size * local_seq * args.dim * 2
+        volume = 4 * args.n_layers / layout.pp * layout.micro_batch_size * local_seq * args.dim * act
         tp_time = micro * volume * 2 * (layout.tp - 1) / layout.tp / (cluster.intra_node_gbps * GB)
         tp_time += micro * 4 * args.n_layers / layout.pp * cluster.message_latency_s
     spans_nodes = layout.world_size > cluster.gpus_per_node
     cp_time = 0.0
     if layout.cp > 1:  # per block: q, k, v and the output all-to-all forward, their gradients back
         exchanges = micro * 8 * args.n_layers / layout.pp
-        local = layout.micro_batch_size * local_seq * args.dim / layout.tp * 2  # k, v repeated to every head
+        local = layout.micro_batch_size * local_seq * args.dim / layout.tp * act  # k, v repeated to every head
         cp_time = exchanges * (local * (layout.cp - 1) / layout.cp / (cluster.intra_node_gbps * GB)
                                + cluster.message_latency_s)
     pp_time = 0.0
     if layout.pp > 1:  # per micro-batch and stage chunk: activations forward, their gradient back
-        hidden = layout.micro_batch_size * local_seq * args.dim * 2 / (layout.tp if layout.sequence_parallel else 1)
+        hidden = layout.micro_batch_size * local_seq * args.dim * act / (layout.tp if layout.sequence_parallel else 1)
         bw = (cluster.inter_node_gbps if spans_nodes else cluster.intra_node_gbps) * GB  # pp is outermost
         pp_time = micro * layout.stages_per_rank * 2 * (hidden / bw + cluster.message_latency_s)
     dp_time = 0.0
     ranks = layout.data_parallel_size
     if ranks > 1:
-        grads = args.num_params / (layout.pp * layout.tp) * 4  # fp32 gradients of one rank's shard of the model
+        values = args.num_params / (layout.pp * layout.tp)  # this rank's stage of the model, whole
         bw = (cluster.inter_node_gbps if spans_nodes else cluster.intra_node_gbps) * GB
-        dp_time = 2 * grads * (ranks - 1) / ranks / bw * 0.5 + cluster.message_latency_s  # half hidden behind backward
+        share = (ranks - 1) / ranks
+        blocks = args.n_layers / layout.pp
+        if layout.zero < 2:  # one all-reduce of fp32 gradients per step (bucketed)
+            volume, messages = 2 * values * 4 * share, 1
+        else:  # reduce-scatter per micro-batch; parameter all-gathers
+            gathers = 2 * micro if layout.zero == 3 else 1
+            volume = micro * values * 4 * share + gathers * values * act * share
+            messages = blocks * (micro + gathers)
+        dp_time = volume / bw * 0.5 + messages * cluster.message_latency_s  # half hidden behind compute
     total = compute + tp_time + cp_time + pp_time + dp_time
     return {"step_s": total, "compute_s": compute, "tp_comm_s": tp_time, "cp_comm_s": cp_time, "pp_comm_s": pp_time,
             "dp_comm_s": dp_time,
@@ -313,7 +326,7 @@ def plan(args, cluster: Cluster, global_batch: int, seq_len: int, bf16: bool = T
         fits = peak <= limit
         reason = "" if fits else f"needs {peak / GB:.1f} GB per GPU > {limit / GB:.1f} GB usable"
         result.candidates.append(
-            Candidate(layout, ranks, step_seconds(args, layout, cluster, global_batch, seq_len), fits, reason))
+            Candidate(layout, ranks, step_seconds(args, layout, cluster, global_batch, seq_len, bf16), fits, reason))
     return result
 
 
@@ -356,7 +369,7 @@ def explain(args, layout: Layout, cluster: Cluster, global_batch: int, seq_len: 
     def judge(lay: Layout) -> Candidate:
         ranks = estimate(args, lay, global_batch, seq_len, bf16)
         peak = max(r.total_bytes for r in ranks)
-        return Candidate(lay, ranks, step_seconds(args, lay, cluster, global_batch, seq_len), peak <= limit)
+        return Candidate(lay, ranks, step_seconds(args, lay, cluster, global_batch, seq_len, bf16), peak <= limit)
 
     c = judge(layout)
     verdict = "fits" if c.fits else "does NOT fit"

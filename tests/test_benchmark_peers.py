@@ -16,7 +16,7 @@ from benchmarks.peers_plain import run_plain
 
 
 @pytest.mark.parametrize("module", ["run_all", "sections", "elastic", "scale", "driver_overhead", "long_context",
-                                    "peers_ray_train",
+                                    "planner_check", "peers_ray_train",
                                     "peers_plain"])
 def test_benchmark_modules_import(module):
     importlib.import_module(f"benchmarks.{module}")

@@ -82,7 +82,7 @@ def test_checkpoint_dir_layout_and_keep_last(saved):
     store = CheckpointStore(str(saved["dir"]), keep_last=2)
     assert [c.step for c in store.committed()] == [SAVE_AT, STEPS]
     latest = store.latest()
-    assert latest.step == STEPS and latest.meta["layout"] == {"dp": 2, "pp": 2, "tp": 1, "zero": 1, "world_size": 4}
+    assert latest.step == STEPS and latest.meta["layout"] == {"dp": 2, "cp": 1, "pp": 2, "tp": 1, "zero": 1, "world_size": 4}
     assert latest.data_position["step"] == STEPS and latest.data_position["consumed"] == STEPS * 8
     files = sorted(os.listdir(latest.path))
     assert files == sorted([".metadata", MARKER] + [f"__{r}_0.distcp" for r in range(4)])

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from raymp.checkpoint.rank_state import EMBEDDING, TIED_HEAD
 from raymp.checkpoint.store import CheckpointError, read_marker, storage_reader
+from raymp.layout import Layout
 from raymp.models.hf import export_hf, load_hf_config
 
 
@@ -53,7 +54,7 @@ def export(path: str, out: str) -> dict:
         layout = meta["layout"]
         save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp), metadata={
             "format": "pt", "raymp_step": str(meta["step"]),
-            "raymp_layout": f"dp={layout['dp']},pp={layout['pp']},tp={layout['tp']},zero={layout['zero']}",
+            "raymp_layout": Layout.from_record(layout).text(),
         })
     os.replace(tmp, out_path)
     tied = bool(meta["config"]["model"].get("tie_embeddings"))
