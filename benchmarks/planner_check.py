@@ -90,8 +90,8 @@ def _spearman(a: list[float], b: list[float]) -> float:
 def measure(opts) -> dict:
     from raymp.config import config_from_dict
     from raymp.models import model_args
-    from raymp.planner import Cluster, step_flops, step_seconds
     from raymp.runtime.actor_group import ActorGroup
+    from raymp.step_time import Cluster, step_flops, step_seconds
 
     out = tempfile.mkdtemp(prefix="raymp-bench-planner-")
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)

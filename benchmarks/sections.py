@@ -133,7 +133,7 @@ def _malloc_note(step: dict) -> str:
 def _mfu(cfg_dict, vocab, shape, step_s, world, opts) -> float:
     from raymp.config import config_from_dict
     from raymp.models import model_args
-    from raymp.planner import step_flops
+    from raymp.step_time import step_flops
 
     args = model_args(config_from_dict(cfg_dict).model, vocab)
     return step_flops(args, shape["global_batch"], shape["seq_len"]) / step_s / (opts.peak_tflops * 1e12 * world)

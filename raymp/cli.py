@@ -218,7 +218,8 @@ def _plan(args) -> int:
     from raymp.config import ConfigError, apply_overrides, config_from_dict, read_config_file
     from raymp.models import model_args
     from raymp.models.shape import TOKENIZER_VOCAB, model_shape
-    from raymp.planner import cluster_from_config, explain, format_plan, plan
+    from raymp.planner import explain, format_plan, plan
+    from raymp.step_time import cluster_from_config
 
     data = apply_overrides(read_config_file(args.config) if args.config else {}, args.overrides)
     data.pop("parallel", None)  # the plan chooses it

@@ -65,6 +65,7 @@ class Layout:
     virtual_stages: int | None = None
     stage_layers: tuple[tuple[int, ...], ...] | None = None
     cp: int = 1  # context parallel (last: layouts are also built positionally)
+    dp_replicate: int = 1  # HSDP: dp = dp_replicate x dp_shard; ZeRO shards inside each replica group
 
     @classmethod
     def of(cls, parallel) -> "Layout":
@@ -88,6 +89,17 @@ class Layout:
         """Ranks that hold the same parameters and average their gradients: the dp replicas
         times the cp ranks of each (each saw a different slice of the same sequences)."""
         return self.dp * self.cp
+
+    @property
+    def dp_shard(self) -> int:
+        """dp replicas per HSDP shard group (all of dp without HSDP)."""
+        return self.dp // self.dp_replicate
+
+    @property
+    def zero_shards(self) -> int:
+        """Ranks ZeRO splits a stage's model state over: the data-parallel ranks of one shard
+        group (every one of them without HSDP)."""
+        return self.data_parallel_size // self.dp_replicate
 
     @property
     def stages_per_rank(self) -> int:
@@ -131,23 +143,12 @@ class Layout:
         return [r for r in range(self.world_size)
                 if all(self.coords(r)[k] == v for k, v in coords.items())]
 
-    def build_mesh(self, device_type: str) -> dict:
-        """The device mesh's dimensions by name (dp, cp, pp, tp) and "data": the data-parallel
-        one that ZeRO shards and gradients average over (dp, or dp and cp flattened into one)."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(device_type, (self.dp, self.cp, self.pp, self.tp), mesh_dim_names=self.MESH_DIMS)
-        dims = {name: mesh[name] for name in self.MESH_DIMS}
-        # DeviceMesh._flatten is how torch (and torchtitan) join adjacent dimensions; FSDP2 over TP
-        # needs its mesh and the TP mesh cut from one root, which a second init_device_mesh is not.
-        dims["data"] = mesh["dp", "cp"]._flatten("dp_cp") if self.cp > 1 else dims["dp"]
-        return dims
-
     # -- text and records ---------------------------------------------------------------------
 
     def text(self, detail: bool = False) -> str:
         """The layout as people read it; `detail` adds micro-batch size, schedule and options."""
-        core = f"dp={self.dp}{f' cp={self.cp}' * (self.cp > 1)} pp={self.pp} tp={self.tp} zero={self.zero}"
+        hsdp = f" ({self.dp_replicate}x{self.dp_shard} HSDP)" * (self.dp_replicate > 1)
+        core = f"dp={self.dp}{hsdp}{f' cp={self.cp}' * (self.cp > 1)} pp={self.pp} tp={self.tp} zero={self.zero}"
         if not detail:
             return core
         extra = [f"mbs={self.micro_batch_size}"] + ([self.schedule] if self.pp > 1 else [])
@@ -160,16 +161,18 @@ class Layout:
 
     def tag(self) -> str:
         """The layout as an identifier (MLflow tag, run name)."""
-        return f"dp{self.dp}{f'-cp{self.cp}' * (self.cp > 1)}-pp{self.pp}-tp{self.tp}-zero{self.zero}"
+        hsdp = f"-hsdp{self.dp_replicate}" * (self.dp_replicate > 1)
+        return f"dp{self.dp}{hsdp}{f'-cp{self.cp}' * (self.cp > 1)}-pp{self.pp}-tp{self.tp}-zero{self.zero}"
 
     def record(self) -> dict:
         """What checkpoints, restart events and MLflow record: enough to reshard from."""
-        return {"dp": self.dp, "cp": self.cp, "pp": self.pp, "tp": self.tp, "zero": self.zero,
-                "world_size": self.world_size}
+        return {"dp": self.dp, "dp_replicate": self.dp_replicate, "cp": self.cp, "pp": self.pp, "tp": self.tp,
+                "zero": self.zero, "world_size": self.world_size}
 
     @classmethod
     def from_record(cls, record: dict) -> "Layout":
-        return cls(record["dp"], record["pp"], record["tp"], record["zero"], cp=record.get("cp", 1))
+        return cls(record["dp"], record["pp"], record["tp"], record["zero"], cp=record.get("cp", 1),
+                   dp_replicate=record.get("dp_replicate", 1))
 
     def as_parallel(self) -> dict:
         """The config's `parallel` section for this layout."""
@@ -189,8 +192,20 @@ class Layout:
     def problems(self, shape: ModelShape, global_batch: int, seq_len: int,
                  devices_per_node: int | None = None) -> list[str]:
         """Every reason this layout cannot run this model at this batch, most basic first."""
-        return [*self._tensor_problems(shape, seq_len, devices_per_node), *self._context_problems(shape, seq_len),
-                *self._pipeline_problems(shape), *self._batch_problems(global_batch)]
+        return [*self._data_parallel_problems(), *self._tensor_problems(shape, seq_len, devices_per_node),
+                *self._context_problems(shape, seq_len), *self._pipeline_problems(shape),
+                *self._batch_problems(global_batch)]
+
+    def _data_parallel_problems(self):
+        rep = self.dp_replicate
+        if rep == 1:
+            return
+        if self.dp % rep:
+            yield (f"parallel.dp_replicate ({rep}) must divide parallel.dp ({self.dp}): HSDP runs dp_replicate "
+                   f"groups of dp / dp_replicate shards; change one of them")
+        elif self.zero < 2:
+            yield (f"parallel.dp_replicate > 1 (HSDP) shards with FSDP2 inside each group and needs parallel.zero 2 "
+                   f"or 3 (zero is {self.zero}); set parallel.zero=3, or parallel.dp_replicate=1")
 
     def _tensor_problems(self, shape: ModelShape, seq_len: int, devices_per_node: int | None):
         tp = self.tp
@@ -278,3 +293,22 @@ class Layout:
             yield (f"schedule interleaved needs the micro-batch count ({micro}) to be a multiple of "
                    f"max(1, micro-batches // pp) = {rounds}; use a multiple of parallel.pp={self.pp} "
                    "micro-batches per replica")
+
+
+def device_mesh(layout: Layout, device_type: str) -> dict:
+    """The device mesh by role: "cp", "pp", "tp", and "data", the data-parallel ranks that
+    gradients average over and ZeRO shards over: dp, or dp and cp flattened into one; under
+    HSDP a 2-D mesh (replicate, shard), which FSDP2 reads as shard along the second dimension,
+    replicate along the first."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if layout.dp_replicate > 1:
+        mesh = init_device_mesh(device_type, (layout.dp_replicate, layout.dp_shard * layout.cp, layout.pp, layout.tp),
+                                mesh_dim_names=("dp_replicate", "dp_shard_cp", "pp", "tp"))
+        shard_cp = mesh["dp_shard_cp"]._unflatten(0, (layout.dp_shard, layout.cp), ("dp_shard", "cp"))
+        return {"data": mesh["dp_replicate", "dp_shard_cp"], "cp": shard_cp["cp"], "pp": mesh["pp"], "tp": mesh["tp"]}
+    mesh = init_device_mesh(device_type, (layout.dp, layout.cp, layout.pp, layout.tp), mesh_dim_names=layout.MESH_DIMS)
+    # DeviceMesh._flatten is how torch (and torchtitan) join adjacent dimensions; FSDP2 over TP
+    # needs its mesh and the TP mesh cut from one root, which a second init_device_mesh is not.
+    data = mesh["dp", "cp"]._flatten("dp_cp") if layout.cp > 1 else mesh["dp"]
+    return {"data": data, "cp": mesh["cp"], "pp": mesh["pp"], "tp": mesh["tp"]}

@@ -8,10 +8,8 @@ Two memory models live here:
   under ZeRO-2), activations per schedule, and communication buffers. This is the number checked
   against measured runs.
 
-The step-time model is deliberately simple (FLOPs / achievable device FLOP/s, stretched by the
-pipeline bubble, plus TP all-reduces, pipeline activation sends and the DP gradient reduction,
-each priced by bytes over bandwidth plus a per-message latency): good for ranking layouts, not
-for promising seconds (it has not been checked against measured step times).
+How fast a layout should run is raymp.step_time's (the hardware description, `Cluster`, lives
+there too); the search here ranks the layouts that fit by it.
 """
 
 from __future__ import annotations
@@ -21,8 +19,7 @@ import functools
 from dataclasses import dataclass, field
 
 from raymp.layout import Layout, ModelShape
-
-GB = 1e9
+from raymp.step_time import GB, Cluster, step_seconds
 
 
 # -- the ZeRO paper ---------------------------------------------------------------------------
@@ -41,34 +38,6 @@ def zero_model_states(psi: float, stage: int, n: int, param_bytes: int = 2, grad
     if stage >= 3:
         p /= n
     return {"params": p, "grads": g, "optimizer": o, "total": p + g + o}
-
-
-# -- the cluster and the layout ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Cluster:
-    nodes: int
-    gpus_per_node: int
-    gpu_memory_gb: float = 80.0
-    gpu_tflops: float = 989.0  # dense bf16 peak (H100 SXM)
-    intra_node_gbps: float = 450.0  # GB/s per GPU inside a node (NVLink)
-    inter_node_gbps: float = 50.0  # GB/s per GPU across nodes (400 Gb/s InfiniBand)
-    usable_fraction: float = 0.9  # leave room for the allocator, CUDA context, fragmentation
-    achievable_mfu: float = 0.5  # fraction of peak a good kernel mix reaches
-    # Start-up cost of one collective or point-to-point message, whatever its size (NCCL's
-    # small-message latency is ~10-30 us inside a node): what makes many small messages (deep
-    # pipelines and wide TP for a small model) slower than their bytes say.
-    message_latency_s: float = 20e-6
-
-    @property
-    def world(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-
-def cluster_from_config(c) -> Cluster:
-    return Cluster(c.nodes, c.gpus_per_node, c.gpu_memory_gb, c.gpu_tflops, c.intra_node_gbps,
-                   c.inter_node_gbps)
 
 
 # -- model arithmetic ---------------------------------------------------------------------------
@@ -167,7 +136,7 @@ def estimate(args, layout: Layout, global_batch: int, seq_len: int, bf16: bool,
         mine = local_stages(rank, pp, len(layers), layout.schedule) if pp > 1 else [0]
         first, last = 0 in mine, len(layers) - 1 in mine
         psi = sum(stage_params(args, layers[s], s == 0, s == len(layers) - 1, tp) for s in mine)
-        p, g, o, working = _model_state(psi, layout.zero, layout.data_parallel_size, bf16)
+        p, g, o, working = _model_state(psi, layout.zero, layout.zero_shards, bf16)
         n_blocks = sum(len(layers[s]) for s in mine)
         per_mb = n_blocks * (block_input if layout.activation_checkpointing else per_block) * act_bytes
         if first:
@@ -186,73 +155,6 @@ def estimate(args, layout: Layout, global_batch: int, seq_len: int, bf16: bool,
             buffers += per_block * act_bytes * tokens
         out.append(RankEstimate(rank, p, g, o, activations, buffers))
     return out
-
-
-# -- step time -----------------------------------------------------------------------------------
-
-
-def step_flops(args, global_batch: int, seq_len: int) -> float:
-    """Model FLOPs of one optimizer step (forward + backward, no recomputation): 6·Ψ per token
-    for the weights, plus attention's 12·layers·dim·seq_len per token. The numerator of MFU."""
-    tokens = global_batch * seq_len
-    return 6 * args.num_params * tokens + 12 * args.n_layers * args.dim * seq_len * tokens
-
-
-def step_seconds(args, layout: Layout, cluster: Cluster, global_batch: int, seq_len: int,
-                 bf16: bool = True) -> dict:
-    """Compute (6·Ψ·tokens + attention, x4/3 with recomputation) spread over every device at the
-    achievable MFU, stretched by the pipeline bubble, plus exposed TP all-reduces (inside a
-    node), context parallelism's all-to-alls, the pipeline's activation sends between stages,
-    and data parallelism over dp x cp (across nodes when it spans them): the gradient reduction
-    (DDP: once per step; FSDP: a reduce-scatter per micro-batch) and FSDP's parameter gathers
-    (ZeRO-2: once per step; ZeRO-3: forward and backward of every micro-batch). Activations
-    travel in the compute dtype (`bf16`), gradients in fp32."""
-    from raymp.parallel.pipeline import theoretical_bubble
-
-    flops = step_flops(args, global_batch, seq_len)
-    if layout.activation_checkpointing:
-        flops *= 4 / 3
-    compute = flops / (layout.world_size * cluster.gpu_tflops * 1e12 * cluster.achievable_mfu)
-    micro = layout.micro_batches(global_batch)
-    bubble = theoretical_bubble(layout.schedule, layout.pp, micro, layout.stages_per_rank) if layout.pp > 1 else 0.0
-    compute /= 1 - (bubble or 0.0)
-    tp_time = 0.0
-    local_seq = seq_len / layout.cp
-    act = 2 if bf16 else 4  # bytes per activation value
-    if layout.tp > 1:  # 4 all-reduces of a micro-batch's hidden states per block (2 fwd, 2 bwd)
-        volume = 4 * args.n_layers / layout.pp * layout.micro_batch_size * local_seq * args.dim * act
-        tp_time = micro * volume * 2 * (layout.tp - 1) / layout.tp / (cluster.intra_node_gbps * GB)
-        tp_time += micro * 4 * args.n_layers / layout.pp * cluster.message_latency_s
-    spans_nodes = layout.world_size > cluster.gpus_per_node
-    cp_time = 0.0
-    if layout.cp > 1:  # per block: q, k, v and the output all-to-all forward, their gradients back
-        exchanges = micro * 8 * args.n_layers / layout.pp
-        local = layout.micro_batch_size * local_seq * args.dim / layout.tp * act  # k, v repeated to every head
-        cp_time = exchanges * (local * (layout.cp - 1) / layout.cp / (cluster.intra_node_gbps * GB)
-                               + cluster.message_latency_s)
-    pp_time = 0.0
-    if layout.pp > 1:  # per micro-batch and stage chunk: activations forward, their gradient back
-        hidden = layout.micro_batch_size * local_seq * args.dim * act / (layout.tp if layout.sequence_parallel else 1)
-        bw = (cluster.inter_node_gbps if spans_nodes else cluster.intra_node_gbps) * GB  # pp is outermost
-        pp_time = micro * layout.stages_per_rank * 2 * (hidden / bw + cluster.message_latency_s)
-    dp_time = 0.0
-    ranks = layout.data_parallel_size
-    if ranks > 1:
-        values = args.num_params / (layout.pp * layout.tp)  # this rank's stage of the model, whole
-        bw = (cluster.inter_node_gbps if spans_nodes else cluster.intra_node_gbps) * GB
-        share = (ranks - 1) / ranks
-        blocks = args.n_layers / layout.pp
-        if layout.zero < 2:  # one all-reduce of fp32 gradients per step (bucketed)
-            volume, messages = 2 * values * 4 * share, 1
-        else:  # reduce-scatter per micro-batch; parameter all-gathers
-            gathers = 2 * micro if layout.zero == 3 else 1
-            volume = micro * values * 4 * share + gathers * values * act * share
-            messages = blocks * (micro + gathers)
-        dp_time = volume / bw * 0.5 + messages * cluster.message_latency_s  # half hidden behind compute
-    total = compute + tp_time + cp_time + pp_time + dp_time
-    return {"step_s": total, "compute_s": compute, "tp_comm_s": tp_time, "cp_comm_s": cp_time, "pp_comm_s": pp_time,
-            "dp_comm_s": dp_time,
-            "bubble": bubble or 0.0, "tokens_per_s": global_batch * seq_len / total}
 
 
 # -- search -------------------------------------------------------------------------------------
@@ -299,16 +201,19 @@ def layout_problem(args, layout: Layout, global_batch: int, seq_len: int, cluste
 
 def proposals(cluster: Cluster, shape: ModelShape, seq_len: int, micro_batch_sizes=(1, 2, 4)):
     """The layouts worth judging on `cluster`: no no-ops (ZeRO at dp=1 changes nothing), and
-    sequence parallelism wherever the model and sequence length allow it with tp > 1."""
+    sequence parallelism wherever the model and sequence length allow it with tp > 1; on
+    several nodes, FSDP also as HSDP (a replica per node)."""
     world = cluster.world
     for tp in _divisors(cluster.gpus_per_node):
         sp = tp > 1 and shape.sequence_parallel and seq_len % tp == 0
         for pp in _divisors(world // tp):
             dp = world // (tp * pp)
             for zero in ((1, 2, 3) if dp > 1 else (0,)):
-                for mbs in micro_batch_sizes:
-                    for ac in (False, True):
-                        yield Layout(dp, pp, tp, zero, mbs, ac, sequence_parallel=sp)
+                hsdp = zero >= 2 and cluster.nodes > 1 and dp % cluster.nodes == 0 and dp > cluster.nodes
+                for replicate in (1, cluster.nodes) if hsdp else (1,):
+                    for mbs in micro_batch_sizes:
+                        for ac in (False, True):
+                            yield Layout(dp, pp, tp, zero, mbs, ac, sequence_parallel=sp, dp_replicate=replicate)
 
 
 def plan(args, cluster: Cluster, global_batch: int, seq_len: int, bf16: bool = True,

@@ -51,6 +51,7 @@ LOAD_LAYOUTS = {
     "dp2-zero3": (2, dict(dp=2, zero=3)),
     "dp2-tp2-zero2-sp": (4, dict(dp=2, tp=2, zero=2, sequence_parallel=True)),
     "dp2-cp2-zero3": (4, dict(dp=2, cp=2, zero=3)),
+    "hsdp2x2-zero3": (4, dict(dp=4, dp_replicate=2, zero=3)),
 }
 
 
@@ -82,7 +83,8 @@ def test_checkpoint_dir_layout_and_keep_last(saved):
     store = CheckpointStore(str(saved["dir"]), keep_last=2)
     assert [c.step for c in store.committed()] == [SAVE_AT, STEPS]
     latest = store.latest()
-    assert latest.step == STEPS and latest.meta["layout"] == {"dp": 2, "cp": 1, "pp": 2, "tp": 1, "zero": 1, "world_size": 4}
+    assert latest.step == STEPS and latest.meta["layout"] == {"dp": 2, "dp_replicate": 1, "cp": 1, "pp": 2, "tp": 1, "zero": 1,
+                                                            "world_size": 4}
     assert latest.data_position["step"] == STEPS and latest.data_position["consumed"] == STEPS * 8
     files = sorted(os.listdir(latest.path))
     assert files == sorted([".metadata", MARKER] + [f"__{r}_0.distcp" for r in range(4)])

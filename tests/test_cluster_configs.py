@@ -17,7 +17,8 @@ import yaml
 from raymp.config import load_config
 from raymp.models import model_args
 from raymp.layout import Layout
-from raymp.planner import cluster_from_config, estimate
+from raymp.planner import estimate
+from raymp.step_time import cluster_from_config
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHER = sorted((ROOT / "cluster" / "launcher").glob("*.yaml"))

@@ -13,7 +13,8 @@ from raymp.config.loading import with_model_shape
 from raymp.layout import Layout
 from raymp.models import model_args
 from raymp.models.shape import TOKENIZER_VOCAB, model_shape
-from raymp.planner import Cluster, layout_problem, plan
+from raymp.planner import layout_problem, plan
+from raymp.step_time import Cluster
 
 GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 4, "n_positions": 256, "vocab_size": 256}
 LLAMA = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -95,6 +96,10 @@ def test_planner_and_config_agree_on_2500_layouts():
     ("llama", {"cp": 2}, 8, "parallel.cp is implemented for the built-in model only"),
     ("tiny", {"cp": 4, "tp": 2}, 8, "must divide model.n_heads (4)"),
     ("odd built-in", {"cp": 3}, 8, "parallel.cp = 3 must divide train.seq_len (32)"),
+    # HSDP: FSDP2 on a 2-D mesh, dp = dp_replicate x dp_shard.
+    ("tiny", {"dp": 4, "dp_replicate": 2, "zero": 3}, 8, ""),
+    ("tiny", {"dp": 4, "dp_replicate": 3, "zero": 3}, 12, "parallel.dp_replicate (3) must divide parallel.dp (4)"),
+    ("tiny", {"dp": 4, "dp_replicate": 2, "zero": 1}, 8, "needs parallel.zero 2 or 3"),
 ])
 def test_once_disagreeing_cases_get_one_verdict(model, parallel, gb, verdict):
     run = _run(model, parallel, gb, 32)
@@ -141,6 +146,14 @@ def test_context_parallel_ranks_sit_between_dp_and_pp():
     assert all(lay.rank_of(**lay.coords(r)) == r for r in range(lay.world_size))
     assert Layout.from_record(lay.record()) == lay
     assert Layout.from_record({"dp": 2, "pp": 1, "tp": 1, "zero": 0}).cp == 1  # records from before cp
+
+
+
+def test_hsdp_layout_shards_inside_replica_groups():
+    lay = Layout(dp=4, zero=3, cp=2, dp_replicate=2)
+    assert (lay.dp_shard, lay.zero_shards, lay.data_parallel_size) == (2, 4, 8)
+    assert lay.text() == "dp=4 (2x2 HSDP) cp=2 pp=1 tp=1 zero=3" and lay.tag() == "dp4-hsdp2-cp2-pp1-tp1-zero3"
+    assert Layout.from_record(lay.record()) == lay
 
 
 def test_the_drivers_stage_split_is_not_a_second_validation(monkeypatch):

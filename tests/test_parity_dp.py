@@ -94,3 +94,15 @@ def test_dp4_zero2_matches_single_process(group4, tiny_cfg):
     ref_losses, ref_state = train_single_process(config_from_dict(cfg))
     assert_losses_match(losses, ref_losses, LOSS_RTOL)
     assert_weights_match(state, ref_state, atol=2e-5)
+
+
+@pytest.mark.parametrize("parallel", [
+    {"dp": 4, "dp_replicate": 2, "zero": 2},
+    {"dp": 4, "dp_replicate": 2, "zero": 3},
+    {"dp": 2, "dp_replicate": 2, "zero": 3, "cp": 2},  # shard groups of one dp rank x two cp ranks
+], ids=["hsdp2x2-zero2", "hsdp2x2-zero3", "hsdp2x1-cp2-zero3"])
+def test_hsdp_matches_single_process(parallel, group4, tiny_cfg):
+    """HSDP: FSDP2 on a 2-D mesh, sharding inside each group, replicating across the groups."""
+    cfg = tiny_cfg(parallel={"micro_batch_size": 1, **parallel})
+    history = check_parity(cfg, group4, weight_atol=1e-4 if "cp" in parallel else 2e-5)
+    assert all(m["grad_norm"] > 0 for m in history)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 
 from raymp.config import ConfigError, config_from_dict
+from raymp.layout import Layout
 from raymp.models import model_args
-from raymp.planner import Cluster, Layout, estimate, explain, plan, step_seconds, zero_model_states
+from raymp.planner import estimate, explain, plan, zero_model_states
+from raymp.step_time import Cluster, step_seconds
 from raymp.trainer import Trainer
 from test_cli import raymp
 
@@ -102,6 +104,19 @@ def test_context_parallel_divides_activations_and_prices_its_all_to_alls():
     assert b.model_state_bytes == pytest.approx(a.model_state_bytes)  # ZeRO-3 shards over dp x cp = 8 either way
     t_whole, t_split = (step_seconds(args, lay, cluster, 8, 32768) for lay in (whole, split))
     assert t_whole["cp_comm_s"] == 0 < t_split["cp_comm_s"]
+
+
+def test_hsdp_shards_inside_the_node_and_is_proposed_across_nodes():
+    cluster = Cluster(nodes=2, gpus_per_node=8, gpu_memory_gb=80)
+    args = _args("llama-8b", 128256)
+    fsdp, hsdp = (Layout(dp=16, zero=3, dp_replicate=r) for r in (1, 2))
+    a, b = (estimate(args, lay, 32, 4096, True)[0] for lay in (fsdp, hsdp))
+    assert b.model_state_bytes == pytest.approx(2 * a.model_state_bytes)  # shards over 8, not 16
+    # Its gathers and reduce-scatters stay inside a node; only sharded gradients cross nodes.
+    t_fsdp, t_hsdp = (step_seconds(args, lay, cluster, 32, 4096)["dp_comm_s"] for lay in (fsdp, hsdp))
+    assert t_hsdp < t_fsdp
+    judged = plan(args, cluster, 32, 4096).candidates
+    assert any(c.layout.dp_replicate == 2 for c in judged)
 
 
 def test_gpt3_175b_plan_explains_the_seed_layout():

@@ -52,3 +52,15 @@ def test_model_state_bytes_follow_zero_formulas(zero, dp_fixture, request, tiny_
     total = sum(want.values())
     print(f"zero={zero} N={n}: {total / psi:.2f} bytes/param per rank (formula), "
           f"measured {[sum(r[k] for k in want) / psi for r in per_rank]}")
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_hsdp_shards_model_state_inside_each_replica_group(zero, group4, tiny_cfg):
+    """dp=4 as 2 replica groups of 2 shards: each rank holds the ZeRO share of N = 2, not 4."""
+    cfg = tiny_cfg(parallel={"dp": 4, "dp_replicate": 2, "zero": zero, "micro_batch_size": 1},
+                   train={"steps": 1, "global_batch_size": 8, "seq_len": 32})
+    psi, per_rank = measure(cfg, group4)
+    for kind, expected in expected_bytes(zero, psi, 2).items():
+        for r in per_rank:
+            assert r[kind] == pytest.approx(expected, rel=0.01), (kind, r[kind], expected)
+    assert per_rank[0]["estimated_bytes"] == pytest.approx(per_rank[0]["measured_bytes"], rel=0.15)

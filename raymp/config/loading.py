@@ -14,7 +14,8 @@ from pydantic import BaseModel, ValidationError
 from raymp.config.schema import ClusterConfig, ConfigError, ModelConfig, RunConfig, TrainingConfig
 from raymp.models import model_args
 from raymp.models.shape import TOKENIZER_VOCAB, model_shape, probed_shape
-from raymp.planner import cluster_from_config, plan
+from raymp.planner import plan
+from raymp.step_time import cluster_from_config
 
 
 def _valid_keys(loc: tuple) -> list[str]:

@@ -108,12 +108,15 @@ _MODEL_SHAPE_FIELDS = [
 
 class ParallelConfig(_Strict):
     """How the model is spread: dp replicas x cp sequence shards x pp stages x tp shards, ZeRO
-    stage on dp (and cp: its ranks hold the same parameters)."""
+    stage on dp (and cp: its ranks hold the same parameters), optionally HSDP (dp_replicate)."""
 
     dp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
     tp: int = Field(1, ge=1)
     zero: Literal[0, 1, 2, 3] = 0
+    dp_replicate: int = Field(1, ge=1, description="HSDP: dp = dp_replicate x dp_shard; ZeRO 2/3 shards model "
+                              "state inside each of dp_replicate groups, which replicate it (shard inside a node, "
+                              "replicate across nodes)")
     cp: int = Field(1, ge=1, description="context parallel: each sequence split over cp ranks, attention "
                     "by all-to-all over heads (Ulysses); the built-in model")
     micro_batch_size: int = Field(1, ge=1, description="sequences per micro-batch per replica")

@@ -16,7 +16,7 @@ from raymp.driver.metrics import peak_tflops, step_metrics
 from raymp.driver.stopping import stop_signals_held
 from raymp.elastic import with_dp
 from raymp.models import model_args
-from raymp.planner import step_flops
+from raymp.step_time import step_flops
 from raymp.runtime.actor_group import ActorGroup, WorkerLostError
 from raymp.version import __version__
 

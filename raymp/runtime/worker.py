@@ -21,6 +21,7 @@ from raymp.checkpoint.integrity import verify_files
 from raymp.checkpoint.rank_state import RankCheckpointer
 from raymp.checkpoint.rank_state import clean_name as _clean
 from raymp.data.stream import ReplicaStream
+from raymp.layout import device_mesh
 from raymp.models import model_spec
 from raymp.optim import build_scheduler
 from raymp.runtime.report import RankReport
@@ -120,9 +121,9 @@ class Worker:
             rank, world_size, dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
 
     def _mesh(self, dims):
-        key = (dims.dp, dims.cp, dims.pp, dims.tp)
+        key = (dims.dp, dims.dp_replicate, dims.cp, dims.pp, dims.tp)
         if key not in self._meshes:
-            self._meshes[key] = dims.build_mesh(self.device.type)
+            self._meshes[key] = device_mesh(dims, self.device.type)
         return self._meshes[key]
 
     # -- model set-up -----------------------------------------------------------------------
