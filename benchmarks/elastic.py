@@ -58,13 +58,24 @@ def _ray_train_recovery(cluster, root: str, rep: int, cfg: dict, batches, vocab:
         run_config=RunConfig(name=f"ray-train-elastic-{rep}", storage_path=f"{root}/ray-train",
                              failure_config=FailureConfig(max_failures=1)),
     )
-    thread = threading.Thread(target=trainer.fit, daemon=True)
+    failure: list[BaseException] = []
+
+    def fit() -> None:
+        try:
+            trainer.fit()
+        except BaseException as exc:  # reported below: a peer that did not recover is a result to explain
+            failure.append(exc)
+
+    thread = threading.Thread(target=fit, daemon=True)
     thread.start()
     while len(records := _read(log, "step")) < KILL_AFTER:
         time.sleep(0.01)
     killed = _remove(cluster, records[0]["node"])
     thread.join()
     steps, resumed = _read(log, "step"), _read(log, "resumed")
+    if not resumed:
+        why = f"{type(failure[0]).__name__}: {str(failure[0]).splitlines()[0]}" if failure else "no error raised"
+        raise RuntimeError(f"Ray Train did not resume after the node loss in round {rep} ({why})")
     after = min(r["at"] for r in steps if r["at"] > killed)
     failed_step = max(r["step"] for r in steps if r["at"] <= killed)
     by_step = {r["step"]: r["loss"] for r in steps}  # the redone steps' second losses win

@@ -9,47 +9,27 @@ not train; cp=4 starts from the longest cp=1 managed."""
 
 from __future__ import annotations
 
-import math
 import tempfile
-import time
 
 import ray
 
 from benchmarks.common import run_config
-from benchmarks.scale import CappedWorker, first_line
+from benchmarks.scale import capped_fit
 
 LADDER = [1024, 2048, 4096, 8192, 16384, 32768]
 MODEL = {"preset": "tiny", "max_seq_len": LADDER[-1]}
 
 
 def _try(seq_len: int, cp: int, cap: int, steps: int, out: str) -> dict:
-    from raymp.config import config_from_dict
-    from raymp.runtime.actor_group import ActorGroup
-    from raymp.trainer import Trainer
-
     cfg = run_config(f"long-cp{cp}", out, steps=steps, global_batch=1, seq_len=seq_len, micro_batch=1,
                      cpus_per_actor=1, model=MODEL, parallel={"cp": cp}, elastic={"enabled": False})
-    group = ActorGroup(cp, "cpu", cpus_per_actor=1, worker_cls=CappedWorker, collective_timeout_s=600)
-    bases = group.call("cap_memory", cap)
-    start = time.perf_counter()
-    try:
-        with Trainer(config_from_dict(cfg), actor_group=group, progress=False) as trainer:
-            history = trainer.fit()
-            estimate = max(e.activation_bytes for e in trainer.session.memory_estimate)
-        peaks = [peak - base for peak, base in zip(group.call("peak_rss"), bases)]
-        last = history[-1]
-        saved = max(r["activation_peak_bytes"] + r["loss_saved_peak_bytes"] for r in last["per_rank"])
-        over = max(peaks) > cap
-        ok = math.isfinite(last["loss"]) and not over
-        result = {"trains": ok, "loss": last["loss"], "step_s": last["step_time_s"], "peak_over_base": max(peaks),
-                  "saved_bytes": saved, "estimate_bytes": estimate,
-                  "why": None if ok else "peak RSS over the cap" if over else f"loss {last['loss']}"}
-    except Exception as exc:  # the cap stopped a rank: this is the measurement, not an error
-        result = {"trains": False, "why": first_line(exc)}
-    finally:
-        group.shutdown()
-    result["wall_s"] = time.perf_counter() - start
-    return result
+    return capped_fit(cfg, cp, cap, _activations)
+
+
+def _activations(trainer, history) -> dict:
+    """Saved activations of the largest rank, measured and as the planner estimated them."""
+    saved = max(r["activation_peak_bytes"] + r["loss_saved_peak_bytes"] for r in history[-1]["per_rank"])
+    return {"saved_bytes": saved, "estimate_bytes": max(e.activation_bytes for e in trainer.session.memory_estimate)}
 
 
 def measure(opts) -> dict:

@@ -25,6 +25,9 @@ def _model_and_optimizer(cfg_dict: dict, vocab_size: int, mode: str, device):
     cfg = config_from_dict(cfg_dict)
     spec = model_spec(cfg.model, vocab_size, cfg.seed)
     model = build_model(spec, cfg.seed, device)
+    if cfg.train.compile:  # each block, in place (torch's nn.Module.compile), before DDP/FSDP
+        for name in spec.block_names(model):
+            model.get_submodule(name).compile()
     bf16 = cfg.precision == "bf16"
     if mode == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -69,25 +69,32 @@ def _params(model: dict) -> int:
 
 
 def _try(model: dict, world: int, cap: int, steps: int, out: str) -> dict:
+    cfg = run_config(f"scale-w{world}", out, dp=world, zero=3 if world > 1 else 0, steps=steps,
+                     global_batch=8, seq_len=64, micro_batch=1, cpus_per_actor=1,
+                     model=model, elastic={"enabled": False})
+    return capped_fit(cfg, world, cap)
+
+
+def capped_fit(cfg: dict, world: int, cap: int, measure_more=None) -> dict:
+    """Train `cfg` on `world` fresh CappedWorkers; whether it trained within the cap, its last
+    step and peak memory, plus what `measure_more(trainer, history)` adds (a dict)."""
     from raymp.config import config_from_dict
     from raymp.runtime.actor_group import ActorGroup
     from raymp.trainer import Trainer
 
-    cfg = run_config(f"scale-w{world}", out, dp=world, zero=3 if world > 1 else 0, steps=steps,
-                     global_batch=8, seq_len=64, micro_batch=1, cpus_per_actor=1,
-                     model=model, elastic={"enabled": False})
     group = ActorGroup(world, "cpu", cpus_per_actor=1, worker_cls=CappedWorker, collective_timeout_s=600)
     bases = group.call("cap_memory", cap)
     start = time.perf_counter()
     try:
         with Trainer(config_from_dict(cfg), actor_group=group, progress=False) as trainer:
             history = trainer.fit()
+            more = measure_more(trainer, history) if measure_more else {}
         peaks = [peak - base for peak, base in zip(group.call("peak_rss"), bases)]
         loss = history[-1]["loss"]
         over = max(peaks) > cap
         ok = math.isfinite(loss) and not over
         result = {"trains": ok, "loss": loss, "step_s": history[-1]["step_time_s"], "peak_over_base": max(peaks),
-                  "why": None if ok else "peak RSS over the cap" if over else f"loss {loss}"}
+                  "why": None if ok else "peak RSS over the cap" if over else f"loss {loss}", **more}
     except Exception as exc:  # the cap refused an allocation: this is the measurement, not an error
         result = {"trains": False, "why": first_line(exc)}
     finally:
