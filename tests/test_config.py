@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from raymp.config import ConfigError, config_from_dict, load_config, parse_override
+from raymp.config import ConfigError, config_from_dict, load_config, parse_override, resolved_dict
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 
@@ -21,6 +21,14 @@ def test_shipped_configs_load(path):
 def test_preset_fills_unset_fields_and_explicit_fields_win():
     cfg = config_from_dict({"model": {"preset": "tiny", "n_layers": 2}})
     assert cfg.model.dim == 64 and cfg.model.n_layers == 2
+
+
+def test_output_dir_holds_the_prepared_data_unless_the_cache_is_set_apart():
+    """Issue 24: one place to make durable on a cluster (output_dir), the data cache included."""
+    assert config_from_dict({"output_dir": "/mnt/shared/runs"}).data.cache_dir == "/mnt/shared/runs/data-cache"
+    apart = config_from_dict({"output_dir": "/mnt/shared/runs", "data": {"cache_dir": "s3://bucket/cache"}})
+    assert apart.data.cache_dir == "s3://bucket/cache"
+    assert config_from_dict(resolved_dict(apart)).data.cache_dir == "s3://bucket/cache"
 
 
 def test_dotted_overrides_parse_yaml_values(tmp_path):

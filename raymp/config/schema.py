@@ -4,6 +4,7 @@ command-line overrides is raymp.config.loading."""
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -186,7 +187,8 @@ class DataConfig(_Strict):
     text_field: str = "text"
     tokenizer: str = Field("byte", description="'byte', 'gpt2', or 'package.module:factory'")
     val_fraction: float = Field(0.01, ge=0, lt=0.5)
-    cache_dir: str = Field(".raymp_cache", description="where prepared datasets are kept (path or URI)")
+    cache_dir: str | None = Field(None, description="where prepared datasets are kept (path or URI); None: "
+                                  "<output_dir>/data-cache, so output_dir holds everything a run keeps")
     on_bad_data: Literal["error", "skip"] = Field(
         "error", description="empty files, non-UTF-8, bad JSON, missing field: stop, or skip and count"
     )
@@ -294,6 +296,14 @@ class RunConfig(_Strict):
     checkpoint: CheckpointConfig = CheckpointConfig()
     elastic: ElasticConfig = ElasticConfig()
     cluster: ClusterConfig | None = None
+
+    @model_validator(mode="after")
+    def _data_cache_beside_the_runs(self) -> "RunConfig":
+        # output_dir is the one place to make durable on a cluster: runs, checkpoints, MLflow's
+        # default database, and (unless set apart) the prepared data.
+        if self.data.cache_dir is None:
+            object.__setattr__(self.data, "cache_dir", os.path.join(self.output_dir, "data-cache"))
+        return self
 
     @model_validator(mode="after")
     def _check_layout(self) -> "RunConfig":

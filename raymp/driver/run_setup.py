@@ -21,7 +21,8 @@ def check_destinations(cfg: RunConfig) -> None:
         if value is not None and _in_a_jobs_working_dir_copy(value):
             raise ConfigError(
                 f"{field} {value!r} is inside Ray's copy of the job's working directory ({Path.cwd()}), which Ray "
-                f"deletes after the job: the run's results (checkpoints, the MLflow database) would be lost; set "
+                f"deletes after the job: the run's results (checkpoints, the MLflow database, the prepared data) "
+                f"would be lost; set "
                 f"{field} to durable storage, e.g. --set {field}=/mnt/shared/runs (a path every node reaches)"
                 + (" or an s3:// / gs:// URI" if field == "checkpoint.dir" else ""))
     root = Path(cfg.output_dir).expanduser()
