@@ -92,3 +92,16 @@ def machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_gib, 1), "gpu": gpu,
             "python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__,
             "raymp": raymp.__version__, "os": platform.platform()}
+
+
+# Dense bf16 peaks from the vendors' data sheets (TFLOP/s); --peak-tflops for anything else.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
+
+
+def peak_tflops_of(gpu_name: str) -> float:
+    """The dense bf16 peak of a GPU by its name (torch.cuda.get_device_name); SystemExit with
+    one line for a GPU not in the table."""
+    for key, peak in PEAK_TFLOPS.items():
+        if key in gpu_name:
+            return peak
+    raise SystemExit(f"no known bf16 peak for the GPU {gpu_name!r}; pass --peak-tflops")

@@ -23,7 +23,8 @@ import time
 if __package__ in (None, ""):  # `python benchmarks/run_all.py` works too
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import REPO, importable_benchmarks, machine  # noqa: E402
+from benchmarks.common import REPO, importable_benchmarks, machine, peak_tflops_of  # noqa: E402
+from benchmarks.gpu_check import existing_section, replace_section  # noqa: E402
 
 SECTIONS = ("dp", "orchestration", "pipeline", "memory", "elastic", "scale", "driver", "long_context", "planner")
 
@@ -72,19 +73,8 @@ def _options(argv=None):
         if not torch.cuda.is_available():
             parser.error("--gpu: torch sees no CUDA device (a CPU build of torch, or no GPU here)")
         opts.gpus = opts.gpus or torch.cuda.device_count()
-        opts.peak_tflops = opts.peak_tflops or _peak_tflops(torch.cuda.get_device_name(0))
+        opts.peak_tflops = opts.peak_tflops or peak_tflops_of(torch.cuda.get_device_name(0))
     return opts
-
-
-# Dense bf16 peaks from the vendors' data sheets (TFLOP/s); --peak-tflops for anything else.
-_PEAKS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
-
-
-def _peak_tflops(name: str) -> float:
-    for key, peak in _PEAKS.items():
-        if key in name:
-            return peak
-    raise SystemExit(f"--gpu: no known bf16 peak for {name!r}; pass --peak-tflops")
 
 
 def _run_section(name: str, opts, results_dir: str) -> dict:
@@ -169,6 +159,11 @@ def main(argv=None) -> None:
     command = "python -m benchmarks.run_all" + "".join(
         f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
     text = _markdown(results, info, opts, command, results_dir)
+    if os.path.exists(opts.out):  # a GPU check section (benchmarks/gpu_check.py) is kept
+        with open(opts.out) as f:
+            gpu = existing_section(f.read())
+        if gpu is not None:
+            text = replace_section(text, gpu)
     tmp = opts.out + ".tmp"
     with open(tmp, "w") as f:
         f.write(text)

@@ -1,0 +1,188 @@
+"""The GPU check, in one command: `python -m benchmarks.gpu_check` on a machine with CUDA GPUs.
+
+Trains a Llama-1B-shaped model (preset `llama-1b`) in bf16:
+- a plain single-process torch loop (the same model builder, autocast, fused AdamW): the yardstick;
+- raymp dp=1 on one GPU, and dp=N ZeRO-3 over NCCL when N >= 2 GPUs are visible;
+- raymp dp=1 ZeRO-2 with the optimizer state offloaded to the CPU (optimizer.cpu_offload).
+For each: tokens/s, MFU against the GPU's dense bf16 peak and against the plain loop, and the
+CUDA peak memory beside the planner's estimate. Writes a "GPU check" section into BENCHMARKS.md
+(replacing an earlier one) and prints it. The parts that need no GPU (arguments, the peak
+lookup, MFU arithmetic, the section text) are tested on CPU in tests/test_gpu_check.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+from benchmarks.common import REPO, median, peak_tflops_of, run_config, steady
+
+TITLE = "## GPU check"
+
+
+def options(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="llama-1b", help="built-in model shape (default llama-1b)")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--batch-per-gpu", type=int, default=4, help="sequences per GPU per step")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per run (the first two are dropped)")
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs for the dp=N run (default: all visible)")
+    parser.add_argument("--gpu-name", default=None, help=argparse.SUPPRESS)  # tests: the name to look up
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="dense bf16 peak per GPU (default: looked up from the GPU's name)")
+    parser.add_argument("--out", default=os.path.join(REPO, "BENCHMARKS.md"),
+                        help="the Markdown file whose GPU check section is replaced (or appended)")
+    opts = parser.parse_args(argv)
+    if opts.steps < 3:
+        parser.error("--steps must be at least 3 (the first two steps are warm-up)")
+    return opts
+
+
+def resolve_gpus(opts, visible: int, name: str | None) -> argparse.Namespace:
+    """Fill the GPU count and peak from what torch sees; SystemExit with one line when it cannot."""
+    if visible == 0:
+        raise SystemExit("gpu_check: torch sees no CUDA device (a CPU build of torch, or no GPU here); "
+                         "nothing was run")
+    opts.gpus = min(opts.gpus or visible, visible)
+    if opts.peak_tflops is None:
+        opts.peak_tflops = peak_tflops_of(name or "")
+    return opts
+
+
+def mfu(step_flops: float, step_s: float, gpus: int, peak_tflops: float) -> float:
+    """Model FLOPs utilisation: the model's FLOPs per second per GPU over the GPU's dense peak."""
+    return step_flops / step_s / gpus / (peak_tflops * 1e12)
+
+
+def section(rows: list[dict], setup: str) -> str:
+    """The GPU check's Markdown section from its runs (each: run, gpus, tokens_per_s, mfu, vs_plain,
+    peak_gib, estimate_gib, loss)."""
+    lines = [TITLE, "", setup, "",
+             "| run | GPUs | tokens/s | MFU | MFU vs plain loop | CUDA peak (GiB) | planner's estimate (GiB) | last loss |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        estimate = "-" if r.get("estimate_gib") is None else f"{r['estimate_gib']:.1f}"
+        lines.append(f"| {r['run']} | {r['gpus']} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
+                     f"{r['vs_plain']:.2f}x | {r['peak_gib']:.1f} | {estimate} | {r['loss']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def replace_section(text: str, new: str) -> str:
+    """`text` with its GPU check section (up to the next "## " heading) replaced by `new`, or
+    `new` appended."""
+    start = text.find(TITLE + "\n")
+    if start < 0:
+        return text.rstrip("\n") + "\n\n" + new
+    end = text.find("\n## ", start + len(TITLE))
+    return text[:start] + new + ("" if end < 0 else text[end + 1:])
+
+
+def existing_section(text: str) -> str | None:
+    """The GPU check section of a BENCHMARKS.md text, if it has one (run_all keeps it)."""
+    start = text.find(TITLE + "\n")
+    if start < 0:
+        return None
+    end = text.find("\n## ", start + len(TITLE))
+    return text[start:] if end < 0 else text[start:end + 1]
+
+
+def _plain_loop(cfg_dict: dict, steps: int) -> dict:
+    """One process, no Ray, no raymp runtime: the model raymp builds, trained the textbook way."""
+    import torch
+
+    from raymp.config import config_from_dict
+    from raymp.loss import lm_loss
+    from raymp.models import build_model, model_spec
+    from raymp.optim import build_optimizer
+
+    from benchmarks.common import global_batches
+
+    cfg = config_from_dict(cfg_dict)
+    batches, vocab = global_batches(cfg_dict)
+    device = torch.device("cuda", 0)
+    model = build_model(model_spec(cfg.model, vocab, cfg.seed), cfg.seed, device)
+    optimizer = build_optimizer(model.parameters(), cfg.optimizer)
+    torch.cuda.reset_peak_memory_stats(device)
+    times, losses = [], []
+    for tokens in batches:
+        t0 = time.perf_counter()
+        batch = torch.from_numpy(tokens.astype("int64")).to(device)
+        total = 0.0
+        for mb in batch.split(cfg.parallel.micro_batch_size):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = lm_loss(model(mb[:, :-1]), mb[:, 1:])
+            (loss / len(batch) * len(mb)).backward()
+            total += float(loss) * len(mb) / len(batch)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+        losses.append(total)
+    return {"step_s": median(steady(times)), "loss": losses[-1],
+            "peak_bytes": torch.cuda.max_memory_allocated(device), "estimate_bytes": None}
+
+
+def _raymp(cfg_dict: dict) -> dict:
+    from raymp.config import config_from_dict
+    from raymp.trainer import Trainer
+
+    with Trainer(config_from_dict(cfg_dict), progress=False) as trainer:
+        history = trainer.fit()
+    return {"step_s": median(steady([m["step_time_s"] for m in history])), "loss": history[-1]["loss"],
+            "peak_bytes": history[-1]["peak_mem_bytes_max"], "estimate_bytes": history[-1]["memory_estimate_bytes_max"]}
+
+
+def main(argv=None) -> None:
+    import torch
+
+    from raymp.config import config_from_dict
+    from raymp.models import model_args
+    from raymp.step_time import step_flops
+
+    opts = options(argv)
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    resolve_gpus(opts, visible, torch.cuda.get_device_name(0) if visible else None)
+    out = tempfile.mkdtemp(prefix="raymp-gpu-check-")
+    shape = dict(preset=opts.preset, seq_len=opts.seq_len, device="cuda", precision="bf16", steps=opts.steps,
+                 micro_batch=1, cpus_per_actor=4, optimizer={"fused": True})
+    runs = {"plain torch loop (1 process)": (1, lambda cfg: _plain_loop(cfg, opts.steps), {}),
+            "raymp dp=1": (1, _raymp, {})}
+    if opts.gpus >= 2:
+        runs[f"raymp dp={opts.gpus} ZeRO-3 (NCCL)"] = (opts.gpus, _raymp, {"zero": 3})
+    runs["raymp dp=1 ZeRO-2, optimizer on CPU"] = (1, _raymp, {"zero": 2, "cpu_offload": True})
+    rows, plain_mfu = [], None
+    for name, (gpus, fn, extra) in runs.items():
+        offload = extra.pop("cpu_offload", False)
+        cfg = run_config(f"gpu-check-{gpus}", out, dp=gpus, global_batch=opts.batch_per_gpu * gpus, **extra, **shape)
+        if offload:
+            cfg["optimizer"]["cpu_offload"] = True
+        cfg["tracking"] = {"enabled": False, "peak_tflops_per_device": opts.peak_tflops}
+        r = fn(cfg)
+        flops = step_flops(model_args(config_from_dict(cfg).model, 256), cfg["train"]["global_batch_size"], opts.seq_len)
+        utilisation = mfu(flops, r["step_s"], gpus, opts.peak_tflops)
+        plain_mfu = plain_mfu or utilisation
+        rows.append({"run": name, "gpus": gpus, "tokens_per_s": cfg["train"]["global_batch_size"] * opts.seq_len / r["step_s"],
+                     "mfu": utilisation, "vs_plain": utilisation / plain_mfu, "peak_gib": r["peak_bytes"] / 2**30,
+                     "estimate_gib": None if r["estimate_bytes"] is None else r["estimate_bytes"] / 2**30,
+                     "loss": r["loss"]})
+        print(rows[-1], flush=True)
+    setup = (f"`python -m benchmarks.gpu_check` on {visible} x {torch.cuda.get_device_name(0)} (dense bf16 peak "
+             f"{opts.peak_tflops:g} TFLOP/s per GPU), torch {torch.__version__}. Model `{opts.preset}`, bf16, "
+             f"seq_len {opts.seq_len}, {opts.batch_per_gpu} sequences per GPU per step, micro-batch 1, fused AdamW, "
+             f"median step of steps 3..{opts.steps}. CUDA peak is torch.cuda.max_memory_allocated (the largest rank).")
+    text = section(rows, setup)
+    print(text)
+    with open(opts.out) as f:
+        current = f.read()
+    tmp = opts.out + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(replace_section(current, text))
+    os.replace(tmp, opts.out)
+    print(f"wrote the GPU check section of {opts.out}")
+
+
+if __name__ == "__main__":
+    main()

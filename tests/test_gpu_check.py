@@ -1,0 +1,42 @@
+"""The GPU check (benchmarks/gpu_check.py) needs CUDA to run; what it computes and writes does
+not: its arguments, the peak lookup, MFU arithmetic and the BENCHMARKS.md section."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.common import peak_tflops_of
+from benchmarks.gpu_check import TITLE, existing_section, mfu, options, replace_section, resolve_gpus, section
+
+
+def test_arguments_and_gpu_resolution():
+    opts = options([])
+    assert (opts.preset, opts.seq_len, opts.steps, opts.gpus) == ("llama-1b", 2048, 10, None)
+    with pytest.raises(SystemExit):
+        options(["--steps", "2"])  # fewer than the two warm-up steps plus one timed
+    with pytest.raises(SystemExit, match="torch sees no CUDA device"):
+        resolve_gpus(options([]), 0, None)
+    opts = resolve_gpus(options(["--gpus", "16"]), 8, "NVIDIA H100 80GB HBM3")
+    assert opts.gpus == 8 and opts.peak_tflops == 989.0  # no more GPUs than visible
+    assert resolve_gpus(options(["--peak-tflops", "500"]), 1, "Unknown GPU").peak_tflops == 500
+    with pytest.raises(SystemExit, match="pass --peak-tflops"):
+        peak_tflops_of("Unknown GPU")
+
+
+def test_mfu_arithmetic():
+    # 6 PFLOP per step in 10 s on 2 GPUs of 1000 TFLOP/s peak: 300 TFLOP/s each = 30%.
+    assert mfu(6e15, 10.0, 2, 1000.0) == pytest.approx(0.30)
+
+
+def test_the_section_replaces_its_predecessor_only():
+    row = {"run": "raymp dp=1", "gpus": 1, "tokens_per_s": 12345.6, "mfu": 0.412, "vs_plain": 0.97,
+           "peak_gib": 30.25, "estimate_gib": 28.0, "loss": 9.87654}
+    text = section([row], "setup line")
+    assert text.startswith(TITLE) and "| raymp dp=1 | 1 | 12,346 | 41.2% | 0.97x | 30.2 | 28.0 | 9.8765 |" in text
+    doc = "# Benchmarks\n\n## 1. Data parallel\n\nrows\n"
+    once = replace_section(doc, text)
+    assert once.startswith(doc.rstrip("\n")) and once.endswith(text)
+    again = replace_section(once + "\n## 2. Next\n\nmore\n", section([{**row, "mfu": 0.5}], "setup line"))
+    assert again.count(TITLE) == 1 and "50.0%" in again and "41.2%" not in again and "## 2. Next" in again
+    assert existing_section(again).startswith(TITLE) and "## 2. Next" not in existing_section(again)
+    assert existing_section(doc) is None
