@@ -75,7 +75,9 @@ def _ray_train_recovery(cluster, root: str, rep: int, cfg: dict, batches, vocab:
     steps, resumed = _read(log, "step"), _read(log, "resumed")
     if not resumed:
         why = f"{type(failure[0]).__name__}: {str(failure[0]).splitlines()[0]}" if failure else "no error raised"
-        raise RuntimeError(f"Ray Train did not resume after the node loss in round {rep} ({why})")
+        seen = [(r["step"], r["node"][:8]) for r in steps]
+        raise RuntimeError(f"Ray Train did not resume after the node loss in round {rep} ({why}); node "
+                           f"{records[0]['node'][:8]} removed after step {KILL_AFTER}; steps logged (step, node): {seen}")
     after = min(r["at"] for r in steps if r["at"] > killed)
     failed_step = max(r["step"] for r in steps if r["at"] <= killed)
     by_step = {r["step"]: r["loss"] for r in steps}  # the redone steps' second losses win
