@@ -114,6 +114,12 @@ class Layout:
     def num_stages(self) -> int:
         return self.pp * self.stages_per_rank
 
+    @property
+    def every_rank_holds_the_state(self) -> bool:
+        """Each rank is a whole replica with all of the training state (plain data parallel,
+        ZeRO-0): after a loss, any one survivor holds everything the run needs."""
+        return self.world_size == self.dp and self.zero == 0
+
     def micro_batches(self, global_batch: int) -> int:
         """Micro-batches each replica runs per optimizer step."""
         return global_batch // (self.dp * self.micro_batch_size)

@@ -147,12 +147,13 @@ def node_loss(probe, root, zero=0, dp=2, nodes=2, cpus=2, after=3, rank=1, commi
     parallel = {"dp": dp, "zero": zero, **sections.pop("parallel", {})}
     run = Run(cfg_for(root, probe.cache, parallel=parallel, **sections))
     run.after_steps(after, committed)
+    pids = [n["pid"] for n in run.trainer.group.nodes]
     lost_at = time.time()
     probe.remove(run.node_of_rank(rank))
     result = run.finish()
     # Node lost -> the next step completed (the benchmark-style number the README quotes).
     after_loss = [m["finished_at"] for m in run.trainer.history if m["finished_at"] > lost_at]
-    return {**result, "lost_to_next_step_s": after_loss[0] - lost_at if after_loss else None}
+    return {**result, "lost_to_next_step_s": after_loss[0] - lost_at if after_loss else None, "pids_before": pids}
 
 
 SCENARIOS = {
@@ -165,6 +166,10 @@ SCENARIOS = {
         p, r, zero=1, nodes=2, cpus=4, rank=0, parallel={"pp": 2, "schedule": "1f1b"}),
     "node loss, dp2 x pp2 x tp2 -> dp1 x pp2 x tp2": lambda p, r: node_loss(
         p, r, zero=0, nodes=2, cpus=7, rank=0, parallel={"pp": 2, "tp": 2, "micro_batch_size": 1}),
+    "node loss, survivors keep their state, dp2 -> dp1": lambda p, r: node_loss(
+        p, r, parallel={"micro_batch_size": 1}, elastic={"keep_survivors": True}),
+    "node loss of the rendezvous rank, survivors keep their state, dp4 -> dp2": lambda p, r: node_loss(
+        p, r, dp=4, nodes=4, rank=0, parallel={"micro_batch_size": 1}, elastic={"keep_survivors": True}),
     "node loss before the first checkpoint": lambda p, r: node_loss(
         p, r, after=1, committed=None, checkpoint={"every": 4}),
 }
@@ -216,8 +221,8 @@ def _loss_mid_restart(probe, root, bundle: int):
             placed.set()
             go.wait(BOUND_S)
 
-    # The bundle's actor waits for its rescheduled placement group: the rendezvous timeout ends it.
-    run = Run(cfg_for(root, probe.cache, resources={"rendezvous_timeout_s": 12}), on_event=on_event)
+    # The group sees its placement group being re-placed and gives up at once (no timeout involved).
+    run = Run(cfg_for(root, probe.cache), on_event=on_event)
     run.after_steps(3, committed=2)
     where["armed"] = True
     probe.remove(run.node_of_rank(1))

@@ -93,6 +93,19 @@ def test_node_loss_3d(results, refs):
     assert (after["dp"], after["pp"], after["tp"]) == (1, 2, 2)
 
 
+@pytest.mark.parametrize("name,kept", [("node loss, survivors keep their state, dp2 -> dp1", 1),
+                                       ("node loss of the rendezvous rank, survivors keep their state, dp4 -> dp2", 2)])
+def test_node_loss_survivors_keep_their_state(results, refs, name, kept):
+    """elastic.keep_survivors: the same processes go on from the failed step with what they hold
+    in memory; no checkpoint is read and no step is redone."""
+    r = finished(results, name, refs(parallel={"micro_batch_size": 1}))
+    (event,) = r["restarts"]
+    assert event["recovery"] == "survivors" and event["checkpoint"] is None
+    assert event["resumed_step"] == event["failed_step"]
+    assert len(event["pids"]) == kept and set(event["pids"]) <= set(r["pids_before"])
+    assert restart_layouts(r) == [("failure", 2 * kept, kept)]
+
+
 def test_node_loss_before_the_first_checkpoint_starts_over(results, refs):
     r = finished(results, "node loss before the first checkpoint", refs())
     assert r["restarts"][0]["resumed_step"] == 0 and r["restarts"][0]["checkpoint"] is None

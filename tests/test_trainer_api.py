@@ -70,7 +70,7 @@ def test_dispatch_ahead_trains_the_same_steps_and_never_crosses_a_save_or_a_vali
 
 def test_actor_group_size_must_match_layout(group2, tiny_cfg):
     cfg = tiny_cfg(parallel={"dp": 4, "zero": 0, "micro_batch_size": 1})
-    with pytest.raises(ValueError, match="has 2 actors but the layout needs dp\\*pp\\*tp = 4"):
+    with pytest.raises(ValueError, match="has 2 actors but the layout needs dp\\*cp\\*pp\\*tp = 4"):
         Trainer(cfg, actor_group=group2, progress=False).setup()
 
 

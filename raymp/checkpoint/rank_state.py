@@ -288,6 +288,26 @@ class RankCheckpointer:
         return targets
 
 
+def load_host_state(sd: dict, program, engine, scheduler) -> None:
+    """Fill a freshly set-up rank from save_state()'s host copy of its own earlier state: how a
+    survivor of a loss keeps what it held across re-forming the process group (no storage).
+    Whole tensors only: every rank holds the whole state (Layout.every_rank_holds_the_state)."""
+    tied = program.tied_embeddings
+    with torch.no_grad():
+        for key, tensors in model_tensors(engine.modules, tied).items():
+            for tensor, _ in tensors:
+                _local(tensor).copy_(sd[f"model.{key}"])
+    optim = engine.local_optimizer()
+    for key, _, param in optimizer_params(engine, tied):
+        prefix = f"optim.{key}."
+        state = {k[len(prefix):]: v.clone() for k, v in sd.items()
+                 if k.startswith(prefix) and "." not in k[len(prefix):]}
+        if state:
+            optim.state[param] = state
+    restore_schedule_position(scheduler, json.loads(sd["scheduler"]))
+    torch.set_rng_state(next(v for k, v in sd.items() if k.startswith("rng.") and k.endswith(".torch")))
+
+
 def restore_schedule_position(scheduler, saved: dict) -> None:
     """Take the saved schedule's position (steps taken) and nothing else: the optimizer's
     hyperparameters and the schedule's shape (lr, betas, eps, weight decay, warmup, total steps)

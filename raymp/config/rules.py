@@ -39,6 +39,11 @@ def check_run(cfg) -> None:
             f"optimizer.warmup_steps ({cfg.optimizer.warmup_steps}) must be below train.steps "
             f"({t.steps}), or the learning rate never leaves warmup"
         )
+    if cfg.elastic.keep_survivors and not p.layout.every_rank_holds_the_state:
+        raise ValueError(
+            f"elastic.keep_survivors needs every rank to hold the whole training state (parallel.zero=0, "
+            f"pp, tp and cp 1), but {p.layout.text()} shards it; set parallel.zero=0 with dp only, or "
+            "elastic.keep_survivors=false (restart from the checkpoint)")
     if cfg.optimizer.cpu_offload and p.zero < 2:
         raise ValueError(
             "optimizer.cpu_offload needs parallel.zero 2 or 3 (FSDP2's offload policy); "

@@ -266,6 +266,14 @@ class ElasticConfig(_Strict):
     step_timeout_s: float | None = Field(
         None, gt=0, description="a step taking longer counts as a failure (a hung rank); None: no limit")
     poll_s: float = Field(1.0, gt=0, description="how often to look for resources while waiting")
+    keep_survivors: bool = Field(
+        False, description="after a loss, the surviving actors keep their state in memory and go on "
+        "from the failed step (no restart, no checkpoint read, no step redone); needs parallel.zero=0 "
+        "with no pp/tp/cp, where every rank holds the whole state")
+    survivor_grace_s: float = Field(
+        10, gt=0, description="keep_survivors: once one survivor has ended its failed step, how long "
+        "the others get; one still waiting then (gloo does not always wake a rank whose peer is gone) "
+        "is let go and the run goes on without it")
 
 
 class ClusterConfig(_Strict):

@@ -76,9 +76,12 @@ class Launcher:
                           r.collective_timeout_s, tp_size=lay.tp, rendezvous_timeout_s=r.rendezvous_timeout_s,
                           on_event=self.on_event, **({"worker_cls": self.worker_cls} if self.worker_cls else {}))
 
-    def launch(self, cfg: RunConfig, position: DataPosition | dict | None) -> Launched:
+    def launch(self, cfg: RunConfig, position: DataPosition | dict | None,
+               survivors: ActorGroup | None = None) -> Launched:
         """Ranks set up for `cfg`, restored from the lineage's newest intact state or, if it has
-        none, started at `position` (default: the first step); streams started."""
+        none, started at `position` (default: the first step); streams started. `survivors`: a
+        group whose ranks kept their state in memory (Worker.keep_state) and rejoined: set up
+        for `cfg` and given that state back, at `position`, with no storage read."""
         feed = self.feed
         vocab = feed.data.vocab_size
         # The layout against the tokenizer's real vocabulary (config validation may not have known it).
@@ -91,7 +94,7 @@ class Launcher:
         if self.device == "cpu" and (problem := host_memory_problem([memory[lay.coords(r)["pp"]].total_bytes
                                                                      for r in range(lay.world_size)])):
             raise ConfigError(problem)
-        group = self.group_for(cfg)
+        group = survivors or self.group_for(cfg)
 
         def set_up():
             # The validated config itself: the ranks do not validate it again.
@@ -99,7 +102,11 @@ class Launcher:
                               knob=SETUP_KNOB)
 
         infos = set_up()
-        restored = restore_newest_intact(group, self.lineage.candidates(), set_up, self.say, r.setup_timeout_s)
+        if survivors is not None:
+            group.call("restore_kept", timeout_s=r.setup_timeout_s, knob=SETUP_KNOB)
+            restored = None
+        else:
+            restored = restore_newest_intact(group, self.lineage.candidates(), set_up, self.say, r.setup_timeout_s)
         if restored is not None:
             position = restored.data_position
         start = feed.checked(position, cfg.train.steps) if position is not None else feed.first_position()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 
+import ray
+
 from raymp.checkpoint.coordinator import CheckpointCoordinator
 from raymp.checkpoint.restore import restore_newest_intact
 from raymp.checkpoint.store import Checkpoint
@@ -34,14 +36,16 @@ class Session:
         self.memory_estimate: list = []  # the planner's RankEstimate per pipeline stage
         self.initial_position = None  # where a run without a checkpoint started
         self._ahead = None  # (step, refs, dispatched at): a step queued on the ranks, not yet collected
+        self._unread: list = []  # a failed step's calls whose results were never read
         self._last_collected = 0.0  # when the last step's results came back
         self.queued_early: list[int] = []  # steps queued before the previous one's results were read
 
-    def launch(self, position) -> Checkpoint | None:
+    def launch(self, position, survivors: ActorGroup | None = None) -> Checkpoint | None:
         """The actors for self.config's layout, brought to the lineage's newest intact state (or
-        to `position` when it has none). Returns the checkpoint restored."""
+        to `position` when it has none; see Launcher.launch for `survivors`). Returns the
+        checkpoint restored."""
         self.group, self._ahead = None, None
-        launched = self.launcher.launch(self.config, position)
+        launched = self.launcher.launch(self.config, position, survivors)
         self.group, self.config = launched.group, launched.config
         self.setup_info, self.memory_estimate = launched.setup_info, launched.memory_estimate
         self._step_constants = self._per_step_constants()
@@ -77,6 +81,8 @@ class Session:
         try:
             reports = self.group.collect(refs, cfg.elastic.step_timeout_s)
         except WorkerLostError as lost:
+            # The survivors' calls end with errors of their own: read later (read_failed_calls).
+            self._unread = refs + (self._ahead[1] if self._ahead else [])
             self._ahead = None  # its ranks are torn down with the failed step's
             raise WorkerLostError(f"step {step}: {lost}", lost.rank, lost.kind, step) from lost
         self._last_collected = time.perf_counter()
@@ -112,6 +118,7 @@ class Session:
         return self.checkpoints.abandon()
 
     def teardown(self) -> None:
+        self._read_failed_calls()
         if self.group is not None and self.group is not self.launcher.shared_group:
             self.group.shutdown()
         self.group, self._ahead = None, None
@@ -120,6 +127,41 @@ class Session:
         """The run again with `dp` replicas, from the lineage's newest intact state."""
         self.config = with_dp(self.config, dp)
         return self.launch(self.initial_position)  # the position counts only without a checkpoint
+
+    def keep_survivors(self) -> dict[int, int]:
+        """Every live rank copies its state to host memory, once its failed step has ended:
+        rank -> optimizer steps its state holds."""
+        kept = self.group.survivors("keep_state", self.config.resources.collective_timeout_s,
+                                    "resources.collective_timeout_s", self.config.elastic.survivor_grace_s,
+                                    "elastic.survivor_grace_s")
+        self._read_failed_calls()
+        return kept
+
+    def _read_failed_calls(self) -> None:
+        """Read the failed step's results that are in (errors, known already): Ray prints an
+        "Unhandled error" for every failed result that is never read."""
+        unread, self._unread = self._unread, []
+        ready, _ = ray.wait(unread, num_returns=len(unread), timeout=0) if unread else ([], [])
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception:
+                pass
+
+    def go_on_with(self, ranks: list[int]) -> list[int]:
+        """The run again with the kept ranks as its dp replicas (in that order), their state
+        from memory, from the step that failed. Returns the ranks' process ids (unchanged)."""
+        r, group = self.config.resources, self.group
+        self._ahead = None
+        try:
+            group.shrink_to(ranks, r.collective_timeout_s, r.rendezvous_timeout_s)
+            self.config = with_dp(self.config, len(ranks))
+            self.launch(self.launcher.feed.position(), survivors=group)
+            return [n["pid"] for n in group.nodes]
+        except BaseException:
+            group.shutdown()  # a fault while re-forming: the restart path starts from nothing
+            self.group = None
+            raise
 
     def on_restart(self, event: dict) -> None:
         self._on_restart(event)

@@ -41,6 +41,10 @@ class ElasticRun(Protocol):
 
     def relaunch(self, dp: int) -> Checkpoint | None: ...
 
+    def keep_survivors(self) -> dict[int, int]: ...
+
+    def go_on_with(self, ranks: list[int]) -> list[int]: ...
+
     def on_restart(self, event: dict) -> None: ...
 
 
@@ -101,7 +105,7 @@ class ElasticController:
             raise WorkerLostError(f"{lost}; the run stopped ({refusal})", lost.rank, lost.kind, lost.step) from lost
         self._enter(Phase.RECOVERING)
         detected, t0, attempts = time.time(), time.monotonic(), 0
-        first = lost
+        first, in_flight = lost, None
         while True:
             self.failures.append({"step": lost.step, "kind": lost.kind, "message": str(lost), "at": time.time()})
             if self.failure_policy.give_up(len(self.failures)):
@@ -110,10 +114,17 @@ class ElasticController:
                     f"giving up after {len(self.failures)} failures (elastic.max_restarts="
                     f"{self.failure_policy.max_restarts}): " + "; ".join(f["message"] for f in self.failures)
                     + ". Resume later from the last checkpoint with checkpoint.resume=auto") from lost
-            self.say(f"elastic: {lost}; restarting ({len(self.failures)}/{self.failure_policy.max_restarts})")
             attempts += 1
+            in_flight = in_flight or self.run.abandon_save()
             try:
-                event = self._relaunch("failure", first, attempts == 1)
+                event = None
+                if attempts == 1 and self.run.config.elastic.keep_survivors:
+                    self.say(f"elastic: {lost}; going on with the survivors "
+                             f"({len(self.failures)}/{self.failure_policy.max_restarts})")
+                    event = self._go_on_with_survivors(first, in_flight)
+                if event is None:
+                    self.say(f"elastic: {lost}; restarting ({len(self.failures)}/{self.failure_policy.max_restarts})")
+                    event = self._relaunch("failure", first, in_flight)
                 break
             except (WorkerLostError, PlacementError) as again:
                 lost = WorkerLostError(f"while restarting: {again}", getattr(again, "rank", None),
@@ -135,7 +146,7 @@ class ElasticController:
         self._enter(Phase.RESIZING)
         t0 = time.monotonic()
         try:
-            event = self._relaunch("grow", None, False, dp)
+            event = self._relaunch("grow", None, (None, None), dp)
         except (WorkerLostError, PlacementError) as lost:
             self._enter(Phase.RUNNING)
             return self.recover(lost if isinstance(lost, WorkerLostError) else
@@ -143,25 +154,48 @@ class ElasticController:
         event["restart_s"] = time.monotonic() - t0
         return self._done(event)
 
-    def _relaunch(self, reason: str, lost: WorkerLostError | None, first_attempt: bool,
+    def _relaunch(self, reason: str, lost: WorkerLostError | None, in_flight: tuple,
                   dp: int | None = None) -> dict:
+        """Tear the group down and launch `dp` replicas (default: what the cluster holds) from
+        the lineage's newest intact state. `in_flight`: abandon_save()'s (step, commit)."""
         t0 = time.monotonic()
         before = self.run.config.parallel.layout.record()
-        abandoned, salvaged = self.run.abandon_save() if first_attempt else (None, None)
         self.run.teardown()
         waited = 0.0
         if dp is None:
             dp, waited = self.scaling.after_failure(self.run.config, self.say)
         checkpoint = self.run.relaunch(dp)
-        return {
-            "reason": reason, "failed_step": lost.step if lost else None, "kind": lost.kind if lost else None,
-            "message": str(lost) if lost else None, "checkpoint_in_flight": abandoned,
-            "checkpoint_in_flight_committed": salvaged is not None,
-            "resumed_step": checkpoint.step if checkpoint else self.run.global_step,
-            "checkpoint": checkpoint.path if checkpoint else None,
-            "layout_before": before, "layout_after": self.run.config.parallel.layout.record(),
-            "wait_for_resources_s": waited, "relaunch_s": time.monotonic() - t0,
-        }
+        return {**self._event(reason, lost, in_flight, before), "recovery": "restart",
+                "resumed_step": checkpoint.step if checkpoint else self.run.global_step,
+                "checkpoint": checkpoint.path if checkpoint else None,
+                "wait_for_resources_s": waited, "relaunch_s": time.monotonic() - t0}
+
+    def _go_on_with_survivors(self, lost: WorkerLostError, in_flight: tuple) -> dict | None:
+        """elastic.keep_survivors: the live ranks copy their state to host memory, re-form the
+        process group among themselves and go on from the failed step (nothing redone, nothing
+        read from storage). None, with the reason said, when they cannot: they did not all stop
+        at the run's step (the failed step finished on some), or no valid dp is left."""
+        t0 = time.monotonic()
+        before = self.run.config.parallel.layout.record()
+        kept = self.run.keep_survivors()
+        held, at = sorted(set(kept.values())), self.run.global_step
+        dp = largest_valid_dp(self.run.config, len(kept)) if kept else None
+        if held != [at] or dp is None:
+            why = (f"their states are after steps {held}, the run is at step {at}" if held != [at] else
+                   f"{len(kept)} survivor(s) split the global batch into no valid dp")
+            self.say(f"elastic: the survivors cannot go on alone ({why}); restarting from the lineage")
+            return None
+        pids = self.run.go_on_with(sorted(kept)[:dp])
+        return {**self._event("failure", lost, in_flight, before), "recovery": "survivors",
+                "resumed_step": at, "checkpoint": None, "wait_for_resources_s": 0.0,
+                "relaunch_s": time.monotonic() - t0, "pids": pids}
+
+    def _event(self, reason: str, lost: WorkerLostError | None, in_flight: tuple, before: dict) -> dict:
+        abandoned, salvaged = in_flight
+        return {"reason": reason, "failed_step": lost.step if lost else None, "kind": lost.kind if lost else None,
+                "message": str(lost) if lost else None, "checkpoint_in_flight": abandoned,
+                "checkpoint_in_flight_committed": salvaged is not None, "layout_before": before,
+                "layout_after": self.run.config.parallel.layout.record()}
 
     def _done(self, event: dict) -> dict:
         self._enter(Phase.RUNNING)
@@ -170,7 +204,7 @@ class ElasticController:
         self.say(
             f"elastic: {event['reason']} restart {len(self.restarts)}: {Layout.from_record(event['layout_before']).text()} -> "
             f"{Layout.from_record(event['layout_after']).text()}, resumed at step {event['resumed_step']} "
-            f"({event['checkpoint'] or 'no checkpoint: from the start'}), {steps} step(s) to redo, "
+            f"({_resumed_from(event)}), {steps} step(s) to redo, "
             f"{event['restart_s']:.1f}s to restart")
         self.run.on_restart(event)
         return event
@@ -179,3 +213,9 @@ class ElasticController:
         self._enter(Phase.FAILED)
         self.run.abandon_save()  # committed if its shards all made it to storage
         self.run.teardown()
+
+
+def _resumed_from(event: dict) -> str:
+    if event.get("recovery") == "survivors":
+        return "the survivors' state in memory"
+    return event["checkpoint"] or "no checkpoint: from the start"

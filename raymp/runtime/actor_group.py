@@ -9,11 +9,14 @@ from __future__ import annotations
 import time
 
 import ray
-import torch.distributed as dist
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raymp.runtime.peer_loss import is_peer_loss
 from raymp.runtime.worker import Worker
+
+
+WATCH_PERIOD_S = 1.0  # how often a starting group checks that its nodes are still there
 
 
 class PlacementError(RuntimeError):
@@ -88,17 +91,72 @@ class ActorGroup:
             ).remote(threads)
             for i in range(world_size)
         ]
-        knob = "resources.rendezvous_timeout_s"
+        knob, watch = "resources.rendezvous_timeout_s", self._check_placement
         deadline = time.monotonic() + rendezvous_timeout_s
-        addr, port = self._gather([self.workers[0].rendezvous_address.remote()], deadline, knob)[0]
+        addr, port = self._gather([self.workers[0].rendezvous_address.remote()], deadline, knob, watch)[0]
         backend = "nccl" if self.device == "cuda" else "gloo"
         self._gather([
             w.init_distributed.remote(rank, world_size, addr, port, backend, collective_timeout_s)
             for rank, w in enumerate(self.workers)
-        ], deadline, knob)
+        ], deadline, knob, watch)
         self.backend = backend
+        self.nodes = self._gather([w.node_info.remote() for w in self.workers], deadline, knob, watch)
+        self.node_ids = sorted({n["node_id"] for n in self.nodes})
+
+    def survivors(self, method: str, timeout_s: float, knob: str, grace_s: float, grace_knob: str) -> dict[int, object]:
+        """rank -> result of `method` on the ranks that are alive and free. It runs after the
+        calls queued on a rank have ended (a survivor's failed step first); a dead rank's call
+        fails at once and the rank is left out. Once one rank has answered, the others get
+        `grace_s` more: one still inside its failed step then is waiting on a lost peer that
+        gloo never told it about (raymp.runtime.peer_loss), and is let go (killed)."""
+        refs = [getattr(w, method).remote() for w in self.workers]
+        rank_of = {ref: r for r, ref in enumerate(refs)}
+        alive, pending, deadline = {}, list(refs), _deadline(timeout_s)
+        while pending:
+            left = max(0.0, deadline - time.monotonic())
+            done, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not done:
+                break
+            try:
+                alive[rank_of[done[0]]] = ray.get(done[0])
+                if len(alive) == 1:
+                    deadline = time.monotonic() + grace_s
+            except ray.exceptions.RayActorError:
+                continue
+        if not alive:
+            raise WorkerLostError(f"no surviving rank ended its failed step in time ({knob})", None, "timeout")
+        for ref in pending:
+            ray.kill(self.workers[rank_of[ref]])
+        return alive
+
+    def shrink_to(self, ranks: list[int], collective_timeout_s: float, rendezvous_timeout_s: float) -> None:
+        """Go on with the actors of `ranks` only, in that order: the others are killed, the kept
+        ones join a new process group among themselves, keeping their processes and memory.
+        (The placement groups stay: a lost node's bundle waits to be re-placed by Ray, and
+        shutdown() gives everything back.)"""
+        for rank, w in enumerate(self.workers):
+            if rank not in ranks:
+                try:
+                    ray.kill(w)
+                except Exception:  # already gone with its node
+                    pass
+        self.workers = [self.workers[r] for r in ranks]
+        self.world_size = len(ranks)
+        knob, deadline = "resources.rendezvous_timeout_s", _deadline(rendezvous_timeout_s)
+        addr, port = self._gather([self.workers[0].rendezvous_address.remote()], deadline, knob)[0]
+        self._gather([w.rejoin.remote(rank, self.world_size, addr, port, self.backend, collective_timeout_s)
+                      for rank, w in enumerate(self.workers)], deadline, knob)
         self.nodes = self._gather([w.node_info.remote() for w in self.workers], deadline, knob)
         self.node_ids = sorted({n["node_id"] for n in self.nodes})
+
+    def _check_placement(self) -> None:
+        """Raise at once if a node holding one of our bundles was lost while the group starts: an
+        actor not yet started there would wait for Ray to re-place its bundle, and the peers that
+        did start would wait for it in the rendezvous until the timeout."""
+        for pg in self.pgs:
+            if placement_group_table(pg).get("state") == "RESCHEDULING":
+                raise WorkerLostError("a node holding part of the new actor group was lost while it "
+                                      "started (its placement group is being re-placed)", None, "died")
 
     def _bundle_node(self, rank: int) -> str | None:
         pg, index = self._bundle(rank)
@@ -131,14 +189,21 @@ class ActorGroup:
         return self._gather([getattr(w, method).remote(*a) for w, a in zip(self.workers, args_per_rank)],
                             _deadline(timeout_s), knob)
 
-    def _gather(self, refs: list, deadline: float | None, knob: str) -> list:
+    def _gather(self, refs: list, deadline: float | None, knob: str, watch=None) -> list:
         """Like ray.get(refs), but raises as soon as any call fails: survivors of a dead peer sit
-        in a collective until its timeout, and we must not wait for them to learn of the death."""
+        in a collective until its timeout, and we must not wait for them to learn of the death.
+        `watch()`, if given, is called about once a second while waiting and may raise."""
         rank_of = {ref: r for r, ref in enumerate(refs)}
         pending = list(refs)
         while pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            done, pending = ray.wait(pending, num_returns=1, timeout=left)
+            wait_s = left
+            if watch is not None:
+                watch()
+                wait_s = WATCH_PERIOD_S if left is None else min(WATCH_PERIOD_S, left)
+            done, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
+            if not done and wait_s != left:
+                continue  # a watch period ended, not the deadline
             if not done:
                 late = sorted(rank_of[r] for r in pending)
                 raise WorkerLostError(
@@ -150,7 +215,7 @@ class ActorGroup:
                 raise WorkerLostError(self._where(rank_of[done[0]]) + " died. Cause: "
                                       + str(exc).splitlines()[0], rank_of[done[0]], "died") from exc
             except ray.exceptions.RayTaskError as exc:
-                if not _is_collective_failure(exc):
+                if not is_peer_loss(getattr(exc, "cause", None)):
                     raise
                 raise WorkerLostError(
                     self._where(rank_of[done[0]]) + " lost a peer in a collective: "
@@ -189,15 +254,6 @@ class ActorGroup:
 
 def _deadline(timeout_s: float | None) -> float | None:
     return None if timeout_s is None else time.monotonic() + timeout_s
-
-
-def _is_collective_failure(exc: Exception) -> bool:
-    """A torch collective that failed because a peer went away (gloo: connection closed or
-    reset, NCCL: a communicator error, either: the process-group timeout)."""
-    cause = getattr(exc, "cause", None)
-    return isinstance(cause, dist.DistError) or any(
-        phrase in str(cause) for phrase in ("Connection closed by peer", "Connection reset by peer",
-                                            "Timed out waiting", "NCCL communicator"))
 
 
 def _check_a_node_fits(bundle: dict, tp_size: int) -> None:

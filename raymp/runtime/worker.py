@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import json
 import os
 import resource
 import socket
@@ -18,12 +19,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from raymp.checkpoint.integrity import verify_files
-from raymp.checkpoint.rank_state import RankCheckpointer
+from raymp.checkpoint.rank_state import RankCheckpointer, load_host_state, save_state
 from raymp.checkpoint.rank_state import clean_name as _clean
 from raymp.data.stream import ReplicaStream
 from raymp.layout import device_mesh
 from raymp.models import model_spec
 from raymp.optim import build_scheduler
+from raymp.runtime.peer_loss import is_peer_loss, leave_process_groups
 from raymp.runtime.report import RankReport
 from raymp.runtime.steps import LocalStep, PipelineStep
 
@@ -82,6 +84,8 @@ class Worker:
         self.stream = None
         self.checkpointer = None
         self._meshes = {}
+        self._kept = None  # keep_state()'s host copy, until restore_kept()
+        self.broken = False  # a step lost a peer: no process group until rejoin()
 
     # -- placement and rendezvous ---------------------------------------------------------
 
@@ -119,6 +123,27 @@ class Worker:
         # background thread during async saves; they must not share the training's group).
         self.checkpointer = RankCheckpointer(
             rank, world_size, dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
+
+    def keep_state(self) -> int:
+        """A host copy of this rank's whole training state, kept across rejoin() and set-up
+        (elastic.keep_survivors; made already if a step lost a peer). Returns the optimizer
+        steps it holds, so the driver can check every survivor stopped at the same step."""
+        if self._kept is None:
+            self._kept = save_state(self.program, self.engine, self.scheduler, self.rank)
+        return json.loads(self._kept["scheduler"])["last_epoch"]
+
+    def rejoin(self, rank: int, world_size: int, addr: str, port: int, backend: str, timeout_s: float) -> None:
+        """Leave the broken process group (a peer is gone) and join the survivors' new one."""
+        self.program = self.engine = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._meshes, self.broken = {}, False
+        self.init_distributed(rank, world_size, addr, port, backend, timeout_s)
+
+    def restore_kept(self) -> None:
+        """After set-up in the new layout: the state keep_state() copied, back in place."""
+        load_host_state(self._kept, self.program, self.engine, self.scheduler)
+        self._kept = None
 
     def _mesh(self, dims):
         key = (dims.dp, dims.dp_replicate, dims.cp, dims.pp, dims.tp)
@@ -182,6 +207,29 @@ class Worker:
     def train_step(self, step: int) -> RankReport:
         """One optimizer step over this replica's share of global batch `step`; first-stage
         ranks pull it from their stream, the other stages get activations instead."""
+        if self.broken:
+            raise dist.DistError("this rank left its process group after a peer was lost")
+        try:
+            return self._train_step(step)
+        except Exception as exc:
+            if not is_peer_loss(exc):
+                raise
+            lost = f"{type(exc).__name__}: {exc}"
+        # Outside the except block: the error's traceback (which holds the model) is gone.
+        self._leave_broken_group()
+        raise dist.DistError(lost)
+
+    def _leave_broken_group(self) -> None:
+        """A peer is gone: keep a host copy of the state (the failed step never reached the
+        optimizer), then drop everything that holds the process groups and shut them down, so
+        no call here and no peer waiting on this rank blocks on them (raymp.runtime.peer_loss)."""
+        self._kept = save_state(self.program, self.engine, self.scheduler, self.rank)
+        self.program = self.engine = self.scheduler = self.checkpointer = None
+        self.broken = True
+        gc.collect()  # the DDP reducer and optimizer hooks hold the groups; gloo closes on release
+        leave_process_groups()
+
+    def _train_step(self, step: int) -> RankReport:
         t0 = time.perf_counter()
         sample_ids = tokens = None
         data_wait = 0.0
