@@ -115,10 +115,14 @@ class Layout:
         return self.pp * self.stages_per_rank
 
     @property
-    def every_rank_holds_the_state(self) -> bool:
-        """Each rank is a whole replica with all of the training state (plain data parallel,
-        ZeRO-0): after a loss, any one survivor holds everything the run needs."""
-        return self.world_size == self.dp and self.zero == 0
+    def replicas_hold_the_state(self) -> bool:
+        """Under ZeRO-0 each dp replica's ranks hold all of the training state."""
+        return self.zero == 0
+
+    def whole_replicas(self, ranks) -> list[list[int]]:
+        """The ranks of each dp replica (dp is outermost) whose ranks are all among `ranks`."""
+        per, alive = self.world_size // self.dp, set(ranks)
+        return [reps for r in range(self.dp) if alive.issuperset(reps := list(range(r * per, (r + 1) * per)))]
 
     def micro_batches(self, global_batch: int) -> int:
         """Micro-batches each replica runs per optimizer step."""

@@ -171,3 +171,10 @@ def test_the_drivers_stage_split_is_not_a_second_validation(monkeypatch):
     split = with_stage_split(cfg, 256)
     assert split.parallel.stage_layers == [[0, 1], [2, 3]] and cfg.parallel.stage_layers is None
     split.parallel.layout.check(model_shape(split.model, 256), 8, 32)  # a split the rules accept
+
+
+def test_whole_replicas_are_those_every_rank_of_which_survived():
+    assert Layout(dp=2, pp=2).whole_replicas([0, 1, 2]) == [[0, 1]]
+    assert Layout(dp=4).whole_replicas([1, 2, 3]) == [[1], [2], [3]]
+    assert Layout(dp=2, pp=2, tp=2).whole_replicas([0, 1, 2, 3, 4, 5, 6]) == [[0, 1, 2, 3]]
+    assert Layout(dp=2, zero=0).replicas_hold_the_state and not Layout(dp=2, zero=1).replicas_hold_the_state

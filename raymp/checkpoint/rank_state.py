@@ -288,10 +288,26 @@ class RankCheckpointer:
         return targets
 
 
+def host_state(program, engine, scheduler) -> dict:
+    """A host copy of everything this rank holds (a tied head's copy included), for
+    load_host_state() on the same rank after it re-forms its process group."""
+    tied = program.tied_embeddings
+    sd = {f"model.{key}": tensors[0][0] for key, tensors in model_tensors(engine.modules, tied).items()}
+    optim = engine.local_optimizer()
+    for key, _, param in optimizer_params(engine, tied):
+        for name, value in optim.state.get(param, {}).items():
+            sd.setdefault(f"optim.{key}.{name}", value)
+    # Local pieces only: a DTensor would keep its mesh (and the groups being left) alive.
+    sd = {k: _local(v).detach().to("cpu", copy=True) for k, v in sd.items()}
+    sd["scheduler"] = json.dumps(scheduler.state_dict())
+    sd["rng.torch"] = torch.get_rng_state()
+    return sd
+
+
 def load_host_state(sd: dict, program, engine, scheduler) -> None:
-    """Fill a freshly set-up rank from save_state()'s host copy of its own earlier state: how a
-    survivor of a loss keeps what it held across re-forming the process group (no storage).
-    Whole tensors only: every rank holds the whole state (Layout.every_rank_holds_the_state)."""
+    """Fill a freshly set-up rank from host_state(): how a survivor of a loss keeps what it held
+    (no storage). Its new place in the mesh holds the same part of the model as the old one
+    (same cp, pp and tp coordinates; ZeRO-0), so each local tensor is copied as it was."""
     tied = program.tied_embeddings
     with torch.no_grad():
         for key, tensors in model_tensors(engine.modules, tied).items():
@@ -300,12 +316,21 @@ def load_host_state(sd: dict, program, engine, scheduler) -> None:
     optim = engine.local_optimizer()
     for key, _, param in optimizer_params(engine, tied):
         prefix = f"optim.{key}."
-        state = {k[len(prefix):]: v.clone() for k, v in sd.items()
+        state = {k[len(prefix):]: _like(param, v) for k, v in sd.items()
                  if k.startswith(prefix) and "." not in k[len(prefix):]}
         if state:
             optim.state[param] = state
     restore_schedule_position(scheduler, json.loads(sd["scheduler"]))
-    torch.set_rng_state(next(v for k, v in sd.items() if k.startswith("rng.") and k.endswith(".torch")))
+    torch.set_rng_state(sd["rng.torch"])
+
+
+def _like(param: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
+    """Saved optimizer state as the kind of tensor `param` is now (a DTensor on the new mesh)."""
+    local = saved.clone().to(_local(param).device)
+    if isinstance(param, DTensor) and local.dim() > 0:
+        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return local
 
 
 def restore_schedule_position(scheduler, saved: dict) -> None:

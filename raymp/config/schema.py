@@ -268,8 +268,8 @@ class ElasticConfig(_Strict):
     poll_s: float = Field(1.0, gt=0, description="how often to look for resources while waiting")
     keep_survivors: bool = Field(
         False, description="after a loss, the surviving actors keep their state in memory and go on "
-        "from the failed step (no restart, no checkpoint read, no step redone); needs parallel.zero=0 "
-        "with no pp/tp/cp, where every rank holds the whole state")
+        "from the failed step (no restart, no checkpoint read, no step redone) where whole dp replicas "
+        "survive; needs parallel.zero=0 (each replica holds the whole state), dp and pp only")
     survivor_grace_s: float = Field(
         10, gt=0, description="keep_survivors: once one survivor has ended its failed step, how long "
         "the others get; one still waiting then (gloo does not always wake a rank whose peer is gone) "

@@ -148,14 +148,14 @@ class Session:
             except Exception:
                 pass
 
-    def go_on_with(self, ranks: list[int]) -> list[int]:
-        """The run again with the kept ranks as its dp replicas (in that order), their state
-        from memory, from the step that failed. Returns the ranks' process ids (unchanged)."""
+    def go_on_with(self, ranks: list[int], dp: int) -> list[int]:
+        """The run again with the kept ranks (whole replicas, in order) as its `dp` replicas,
+        their state from memory, from the step that failed. Returns their process ids (unchanged)."""
         r, group = self.config.resources, self.group
         self._ahead = None
         try:
             group.shrink_to(ranks, r.collective_timeout_s, r.rendezvous_timeout_s)
-            self.config = with_dp(self.config, len(ranks))
+            self.config = with_dp(self.config, dp)
             self.launch(self.launcher.feed.position(), survivors=group)
             return [n["pid"] for n in group.nodes]
         except BaseException:

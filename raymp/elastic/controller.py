@@ -43,7 +43,7 @@ class ElasticRun(Protocol):
 
     def keep_survivors(self) -> dict[int, int]: ...
 
-    def go_on_with(self, ranks: list[int]) -> list[int]: ...
+    def go_on_with(self, ranks: list[int], dp: int) -> list[int]: ...
 
     def on_restart(self, event: dict) -> None: ...
 
@@ -98,8 +98,10 @@ class ElasticController:
         self.transitions.append((phase.value, time.time()))
 
     def recover(self, lost: WorkerLostError) -> dict:
-        """A rank is lost: tear the group down, go on with the dp the live nodes hold, restored
-        from the lineage's newest intact state. A fault while doing so is a new failure."""
+        """A rank is lost. With elastic.keep_survivors, the whole replicas left go on with the
+        state they hold; otherwise (or when they cannot) tear the group down and go on with the
+        dp the live nodes hold, restored from the lineage's newest intact state. A fault while
+        doing so is a new failure (and takes the restart path)."""
         refusal = self.failure_policy.refusal()
         if refusal:
             raise WorkerLostError(f"{lost}; the run stopped ({refusal})", lost.rank, lost.kind, lost.step) from lost
@@ -171,21 +173,25 @@ class ElasticController:
                 "wait_for_resources_s": waited, "relaunch_s": time.monotonic() - t0}
 
     def _go_on_with_survivors(self, lost: WorkerLostError, in_flight: tuple) -> dict | None:
-        """elastic.keep_survivors: the live ranks copy their state to host memory, re-form the
-        process group among themselves and go on from the failed step (nothing redone, nothing
-        read from storage). None, with the reason said, when they cannot: they did not all stop
-        at the run's step (the failed step finished on some), or no valid dp is left."""
+        """elastic.keep_survivors: the live ranks copy their state to host memory; the whole dp
+        replicas among them re-form the process group and go on from the failed step (nothing
+        redone, nothing read from storage). None, with the reason said, when they cannot: they
+        did not all stop at the run's step (the failed step finished on some), no whole replica
+        survived, or no valid dp is left."""
         t0 = time.monotonic()
-        before = self.run.config.parallel.layout.record()
+        layout = self.run.config.parallel.layout
         kept = self.run.keep_survivors()
         held, at = sorted(set(kept.values())), self.run.global_step
-        dp = largest_valid_dp(self.run.config, len(kept)) if kept else None
+        replicas = layout.whole_replicas(kept)
+        dp = largest_valid_dp(self.run.config, len(replicas)) if replicas else None
         if held != [at] or dp is None:
             why = (f"their states are after steps {held}, the run is at step {at}" if held != [at] else
-                   f"{len(kept)} survivor(s) split the global batch into no valid dp")
+                   "no whole replica survived" if not replicas else
+                   f"{len(replicas)} whole replica(s) split the global batch into no valid dp")
             self.say(f"elastic: the survivors cannot go on alone ({why}); restarting from the lineage")
             return None
-        pids = self.run.go_on_with(sorted(kept)[:dp])
+        before = layout.record()
+        pids = self.run.go_on_with([r for ranks in replicas[:dp] for r in ranks], dp)
         return {**self._event("failure", lost, in_flight, before), "recovery": "survivors",
                 "resumed_step": at, "checkpoint": None, "wait_for_resources_s": 0.0,
                 "relaunch_s": time.monotonic() - t0, "pids": pids}

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from raymp.checkpoint.integrity import verify_files
-from raymp.checkpoint.rank_state import RankCheckpointer, load_host_state, save_state
+from raymp.checkpoint.rank_state import RankCheckpointer, host_state, load_host_state
 from raymp.checkpoint.rank_state import clean_name as _clean
 from raymp.data.stream import ReplicaStream
 from raymp.layout import device_mesh
@@ -129,7 +129,7 @@ class Worker:
         (elastic.keep_survivors; made already if a step lost a peer). Returns the optimizer
         steps it holds, so the driver can check every survivor stopped at the same step."""
         if self._kept is None:
-            self._kept = save_state(self.program, self.engine, self.scheduler, self.rank)
+            self._kept = host_state(self.program, self.engine, self.scheduler)
         return json.loads(self._kept["scheduler"])["last_epoch"]
 
     def rejoin(self, rank: int, world_size: int, addr: str, port: int, backend: str, timeout_s: float) -> None:
@@ -223,10 +223,10 @@ class Worker:
         """A peer is gone: keep a host copy of the state (the failed step never reached the
         optimizer), then drop everything that holds the process groups and shut them down, so
         no call here and no peer waiting on this rank blocks on them (raymp.runtime.peer_loss)."""
-        self._kept = save_state(self.program, self.engine, self.scheduler, self.rank)
+        self._kept = host_state(self.program, self.engine, self.scheduler)
         self.program = self.engine = self.scheduler = self.checkpointer = None
-        self.broken = True
-        gc.collect()  # the DDP reducer and optimizer hooks hold the groups; gloo closes on release
+        self._meshes, self.broken = {}, True
+        gc.collect()  # the DDP reducer, the pipeline and the meshes hold the groups; gloo closes on release
         leave_process_groups()
 
     def _train_step(self, step: int) -> RankReport:
