@@ -19,12 +19,15 @@ from raymp.runtime.simulated_cluster import SimulatedCluster
 KILL_AFTER, EVERY, STEPS = 6, 4, 14
 
 
-def _raymp_recovery(cluster, root: str, rep: int) -> dict:
+def _raymp_recovery(cluster, root: str, rep: int, keep_survivors: bool = False) -> dict:
+    """keep_survivors: the ranks sit on two nodes (one each), so one survives the loss."""
     from raymp.config import config_from_dict
     from raymp.trainer import Trainer
 
-    cfg = run_config(f"elastic-{rep}", f"{root}/runs", dp=2, zero=0, steps=STEPS, cpus_per_actor=1.5,
-                     checkpoint={"every": EVERY, "dir": f"{root}/raymp-ck-{rep}"})
+    tag = "survivors" if keep_survivors else "restart"
+    cfg = run_config(f"elastic-{tag}-{rep}", f"{root}/runs", dp=2, zero=0, steps=STEPS, cpus_per_actor=1.5,
+                     checkpoint={"every": EVERY, "dir": f"{root}/raymp-ck-{tag}-{rep}"},
+                     elastic={"keep_survivors": keep_survivors, "grow_back": not keep_survivors})
     trainer = Trainer(config_from_dict(cfg), progress=False)
     trainer.setup()
     thread = threading.Thread(target=trainer.fit, daemon=True)
@@ -38,7 +41,9 @@ def _raymp_recovery(cluster, root: str, rep: int) -> dict:
     after = min(m["finished_at"] for m in trainer.history if m["finished_at"] > killed)
     out = {"to_next_step_s": after - killed, "redone": event["failed_step"] - event["resumed_step"],
            "resume_s": event["detected_at"] + event["restart_s"] - killed,
-           "losses": [m["loss"] for m in trainer.history], "dp_after": trainer.config.parallel.dp}
+           "losses": [m["loss"] for m in trainer.history], "dp_after": trainer.config.parallel.dp,
+           "state_from": "survivors' memory" if event["recovery"] == "survivors" else
+           f"checkpoint of step {event['resumed_step']}"}
     trainer.close()
     return out
 
@@ -82,7 +87,8 @@ def _ray_train_recovery(cluster, root: str, rep: int, cfg: dict, batches, vocab:
     failed_step = max(r["step"] for r in steps if r["at"] <= killed)
     by_step = {r["step"]: r["loss"] for r in steps}  # the redone steps' second losses win
     return {"to_next_step_s": after - killed, "redone": failed_step - resumed[0]["step"],
-            "resume_s": resumed[0]["at"] - killed, "losses": [by_step[s] for s in sorted(by_step)], "dp_after": 2}
+            "resume_s": resumed[0]["at"] - killed, "losses": [by_step[s] for s in sorted(by_step)], "dp_after": 2,
+            "state_from": f"checkpoint of step {resumed[0]['step']}"}
 
 
 def _read(path: str, event: str) -> list[dict]:
@@ -105,12 +111,14 @@ def measure(opts) -> dict:
     root = tempfile.mkdtemp(prefix="raymp-bench-elastic-")
     cluster = SimulatedCluster(head_cpus=1)
     cluster.resize(2, 3)
-    runs = {"raymp": [], "Ray Train": []}
+    runs = {"raymp restart": [], "raymp keep_survivors": [], "Ray Train": []}
     try:
         cfg = run_config("elastic", f"{root}/runs", dp=2, zero=0, steps=STEPS, cpus_per_actor=1.5)
         batches, vocab = global_batches(cfg)
         for rep in range(opts.reps):
-            runs["raymp"].append(_raymp_recovery(cluster, root, rep))
+            runs["raymp restart"].append(_raymp_recovery(cluster, root, rep))
+            cluster.resize(2, 2)  # one rank per node: the other rank survives
+            runs["raymp keep_survivors"].append(_raymp_recovery(cluster, root, rep, keep_survivors=True))
             cluster.resize(2, 3)
             runs["Ray Train"].append(_ray_train_recovery(cluster, root, rep, cfg, batches, vocab))
             cluster.resize(2, 3)
@@ -118,16 +126,16 @@ def measure(opts) -> dict:
     finally:
         cluster.shutdown()
         shutil.rmtree(root, ignore_errors=True)
-    reference = runs["raymp"][0]["losses"]
+    reference = runs["raymp restart"][0]["losses"]
+    peer = median([r["to_next_step_s"] for r in runs["Ray Train"]])
     rows = []
     for name, rs in runs.items():
         nxt = [r["to_next_step_s"] for r in rs]
         gap = max(abs(a - b) / b for r in rs for a, b in zip(r["losses"], reference))
+        ratio = peer / median(nxt)
         rows.append([name, f"{median(nxt):.1f}", spread(nxt), f"{median([r['resume_s'] for r in rs]):.1f}",
-                     str(median([r["redone"] for r in rs])), str(rs[0]["dp_after"]), f"{gap:.1e}"])
-    ratio = median([r["to_next_step_s"] for r in runs["Ray Train"]]) / median([r["to_next_step_s"] for r in runs["raymp"]])
-    rows[0].append(f"{ratio:.2f}x ({'raymp faster' if ratio > 1 else 'raymp slower'})")
-    rows[1].append("")
+                     str(median([r["redone"] for r in rs])), rs[0]["state_from"], str(rs[0]["dp_after"]), f"{gap:.1e}",
+                     "" if name == "Ray Train" else f"{ratio:.2f}x ({'raymp faster' if ratio > 1 else 'raymp slower'})"])
     cost_rows = [[c["mode"], f"{c['step_s'] * 1e3:.0f}", f"{c['ratio']:.2f}x",
                   f"{c['blocked_s'] * 1e3:.0f}" if c["size_mb"] else "-", f"{c['size_mb']:.1f}" if c["size_mb"] else "-"]
                  for c in cost]
@@ -136,12 +144,14 @@ def measure(opts) -> dict:
         "setup": (f"Simulated cluster (head: 1 CPU for the driver; two worker nodes of 3 CPUs). dp=2 DDP, "
                   f"model `small`, global batch 16, seq_len 128, {STEPS} steps, a checkpoint every {EVERY} "
                   f"steps; both ranks (1.5 CPU each) sit on one node, which is removed when step "
-                  f"{KILL_AFTER} is done; a replacement node is added at once. raymp: its elastic restart "
-                  "(async DCP checkpoints). Ray Train: `FailureConfig(max_failures=1)`, the loop resumes from "
+                  f"{KILL_AFTER} is done; a replacement node is added at once. raymp restart: its elastic restart "
+                  "(async DCP checkpoints). raymp keep_survivors: `elastic.keep_survivors` on two 2-CPU nodes, "
+                  "one rank each; the node of rank 0 is removed and rank 1 goes on alone with its state in memory "
+                  "(grow_back off, so the row is the recovery alone). Ray Train: `FailureConfig(max_failures=1)`, the loop resumes from "
                   f"`ray.train.get_checkpoint()` (rank 0 saves a torch state dict). {opts.reps} runs each, "
                   "alternating."),
         "columns": ["run", "node lost -> next step (s)", "runs (s)", "node lost -> resumed (s)", "steps redone",
-                    "dp after", "max loss gap vs raymp", "raymp vs peer"],
+                    "state from", "dp after", "max loss gap vs raymp", "raymp vs peer"],
         "rows": rows,
         "extra_tables": [{
             "caption": (f"raymp checkpoint cost (dp=2 ZeRO-2, model `small`, {3 * opts.steps} steps, a save every "
@@ -152,7 +162,7 @@ def measure(opts) -> dict:
         "notes": [
             "\"node lost -> next step\" is the time from `remove_node` to the first training step completed "
             "after it; \"resumed\" is when training state was restored (raymp: its restart done; Ray Train: "
-            "the loop's checkpoint load done).",
+            "the loop's checkpoint load done). keep_survivors' next step runs at dp=1 on one actor.",
             "The loss column compares every step (the redone steps' second pass) with raymp's run, so both "
             "resumed to the same state.",
         ],
