@@ -114,15 +114,15 @@ class Layout:
     def num_stages(self) -> int:
         return self.pp * self.stages_per_rank
 
-    @property
-    def replicas_hold_the_state(self) -> bool:
-        """Under ZeRO-0 each dp replica's ranks hold all of the training state."""
-        return self.zero == 0
+    def replica_of(self, rank: int) -> list[int]:
+        """The ranks of `rank`'s dp replica (dp is the outermost mesh dimension)."""
+        per = self.world_size // self.dp
+        return list(range(rank // per * per, rank // per * per + per))
 
     def whole_replicas(self, ranks) -> list[list[int]]:
-        """The ranks of each dp replica (dp is outermost) whose ranks are all among `ranks`."""
-        per, alive = self.world_size // self.dp, set(ranks)
-        return [reps for r in range(self.dp) if alive.issuperset(reps := list(range(r * per, (r + 1) * per)))]
+        """The ranks of each dp replica whose ranks are all among `ranks`, in order."""
+        alive, per = set(ranks), self.world_size // self.dp
+        return [reps for r in range(0, self.world_size, per) if alive.issuperset(reps := self.replica_of(r))]
 
     def micro_batches(self, global_batch: int) -> int:
         """Micro-batches each replica runs per optimizer step."""

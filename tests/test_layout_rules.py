@@ -177,4 +177,4 @@ def test_whole_replicas_are_those_every_rank_of_which_survived():
     assert Layout(dp=2, pp=2).whole_replicas([0, 1, 2]) == [[0, 1]]
     assert Layout(dp=4).whole_replicas([1, 2, 3]) == [[1], [2], [3]]
     assert Layout(dp=2, pp=2, tp=2).whole_replicas([0, 1, 2, 3, 4, 5, 6]) == [[0, 1, 2, 3]]
-    assert Layout(dp=2, zero=0).replicas_hold_the_state and not Layout(dp=2, zero=1).replicas_hold_the_state
+    assert Layout(dp=2, pp=2, tp=2).replica_of(5) == [4, 5, 6, 7]

@@ -39,16 +39,11 @@ def check_run(cfg) -> None:
             f"optimizer.warmup_steps ({cfg.optimizer.warmup_steps}) must be below train.steps "
             f"({t.steps}), or the learning rate never leaves warmup"
         )
-    if cfg.elastic.keep_survivors and not p.layout.replicas_hold_the_state:
+    if cfg.elastic.keep_survivors and p.zero != 0:  # under ZeRO-0 each replica holds the whole state
         raise ValueError(
             f"elastic.keep_survivors needs each dp replica to hold the whole training state (parallel.zero=0), "
             f"but zero={p.zero} shards it over the replicas, so a loss leaves no whole copy; set "
             "parallel.zero=0, or elastic.keep_survivors=false (restart from the checkpoint)")
-    if cfg.elastic.keep_survivors and (p.tp > 1 or p.cp > 1):
-        raise ValueError(
-            "elastic.keep_survivors works with dp and pp only for now, not parallel.tp or parallel.cp > 1: "
-            "a survivor's tensor-parallel groups were measured to stay connected after it leaves, so its "
-            "peers wait out resources.collective_timeout_s; set elastic.keep_survivors=false")
     if cfg.optimizer.cpu_offload and p.zero < 2:
         raise ValueError(
             "optimizer.cpu_offload needs parallel.zero 2 or 3 (FSDP2's offload policy); "

@@ -269,7 +269,7 @@ class ElasticConfig(_Strict):
     keep_survivors: bool = Field(
         False, description="after a loss, the surviving actors keep their state in memory and go on "
         "from the failed step (no restart, no checkpoint read, no step redone) where whole dp replicas "
-        "survive; needs parallel.zero=0 (each replica holds the whole state), dp and pp only")
+        "survive; needs parallel.zero=0, where each replica holds the whole state")
     survivor_grace_s: float = Field(
         10, gt=0, description="keep_survivors: once one survivor has ended its failed step, how long "
         "the others get; one still waiting then (gloo does not always wake a rank whose peer is gone) "

@@ -128,9 +128,12 @@ class Session:
         self.config = with_dp(self.config, dp)
         return self.launch(self.initial_position)  # the position counts only without a checkpoint
 
-    def keep_survivors(self) -> dict[int, int]:
+    def keep_survivors(self, lost_rank: int | None) -> dict[int, int]:
         """Every live rank copies its state to host memory, once its failed step has ended:
-        rank -> optimizer steps its state holds."""
+        rank -> optimizer steps its state holds. The lost rank's replica can no longer go on:
+        its other ranks are let go at once, so none of their peers waits on them."""
+        if lost_rank is not None:
+            self.group.let_go(self.config.parallel.layout.replica_of(lost_rank))
         kept = self.group.survivors("keep_state", self.config.resources.collective_timeout_s,
                                     "resources.collective_timeout_s", self.config.elastic.survivor_grace_s,
                                     "elastic.survivor_grace_s")

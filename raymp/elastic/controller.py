@@ -41,7 +41,7 @@ class ElasticRun(Protocol):
 
     def relaunch(self, dp: int) -> Checkpoint | None: ...
 
-    def keep_survivors(self) -> dict[int, int]: ...
+    def keep_survivors(self, lost_rank: int | None) -> dict[int, int]: ...
 
     def go_on_with(self, ranks: list[int], dp: int) -> list[int]: ...
 
@@ -180,7 +180,7 @@ class ElasticController:
         survived, or no valid dp is left."""
         t0 = time.monotonic()
         layout = self.run.config.parallel.layout
-        kept = self.run.keep_survivors()
+        kept = self.run.keep_survivors(lost.rank if lost.kind == "died" else None)
         held, at = sorted(set(kept.values())), self.run.global_step
         replicas = layout.whole_replicas(kept)
         dp = largest_valid_dp(self.run.config, len(replicas)) if replicas else None

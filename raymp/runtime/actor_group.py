@@ -125,21 +125,23 @@ class ActorGroup:
                 continue
         if not alive:
             raise WorkerLostError(f"no surviving rank ended its failed step in time ({knob})", None, "timeout")
-        for ref in pending:
-            ray.kill(self.workers[rank_of[ref]])
+        self.let_go(rank_of[ref] for ref in pending)
         return alive
+
+    def let_go(self, ranks) -> None:
+        """Kill these ranks' actors (their sockets close with them, so no peer waits on them)."""
+        for rank in ranks:
+            try:
+                ray.kill(self.workers[rank])
+            except Exception:  # already gone with its node
+                pass
 
     def shrink_to(self, ranks: list[int], collective_timeout_s: float, rendezvous_timeout_s: float) -> None:
         """Go on with the actors of `ranks` only, in that order: the others are killed, the kept
         ones join a new process group among themselves, keeping their processes and memory.
         (The placement groups stay: a lost node's bundle waits to be re-placed by Ray, and
         shutdown() gives everything back.)"""
-        for rank, w in enumerate(self.workers):
-            if rank not in ranks:
-                try:
-                    ray.kill(w)
-                except Exception:  # already gone with its node
-                    pass
+        self.let_go(r for r in range(len(self.workers)) if r not in ranks)
         self.workers = [self.workers[r] for r in ranks]
         self.world_size = len(ranks)
         knob, deadline = "resources.rendezvous_timeout_s", _deadline(rendezvous_timeout_s)
