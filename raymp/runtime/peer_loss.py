@@ -23,7 +23,8 @@ def is_peer_loss(error: BaseException | None) -> bool:
 def leave_process_groups() -> None:
     """Shut every process group of this process down (they are unusable once a peer is gone).
     Measured on gloo: a peer waiting on a rank that called ProcessGroupGloo.abort() waited for the
-    whole timeout; on one that destroyed its groups, 2 s. The connections close only when nothing
-    holds the group any more: drop the model (DDP's reducer) and optimizer first."""
+    whole timeout; on one that destroyed its groups, it failed at once. The connections close only
+    when nothing holds the group any more: drop the model (DDP's reducer, the pipeline), the
+    optimizer and any cached DeviceMesh first."""
     if dist.is_initialized():
         dist.destroy_process_group()

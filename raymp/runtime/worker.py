@@ -135,8 +135,7 @@ class Worker:
     def rejoin(self, rank: int, world_size: int, addr: str, port: int, backend: str, timeout_s: float) -> None:
         """Leave the broken process group (a peer is gone) and join the survivors' new one."""
         self.program = self.engine = None
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_process_groups()
         self._meshes, self.broken = {}, False
         self.init_distributed(rank, world_size, addr, port, backend, timeout_s)
 
