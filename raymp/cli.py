@@ -172,7 +172,8 @@ def _runs(args) -> int:
 
 
 def _checkpoint(args) -> int:
-    from raymp.checkpoint.store import MARKER, CheckpointError, CheckpointStore, filesystem
+    from raymp.checkpoint.store import MARKER, CheckpointError, CheckpointStore
+    from raymp.storage import fsspec_fs
 
     if args.checkpoint_command == "list":
         from raymp.checkpoint.integrity import verify
@@ -197,7 +198,7 @@ def _checkpoint(args) -> int:
     from raymp.checkpoint.export import export, export_hf_dir
 
     path = args.checkpoint
-    fs, inner = filesystem(path)
+    fs, inner = fsspec_fs(path)
     if not fs.exists(f"{inner}/{MARKER}"):  # a run's checkpoint dir: take its latest
         latest = CheckpointStore(path).latest()
         if latest is None:

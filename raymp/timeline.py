@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from raymp.storage import join, staged
+
 COLORS = {"F": "#4c78a8", "B": "#54a24b", "I": "#9ecf8b", "W": "#f58518"}
 NAMES = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "backward (weights)"}
 
@@ -74,9 +76,10 @@ def write_timeline(events_by_pp_rank: list[list], directory: str | Path, title: 
     return {"png": png, "trace": trace}
 
 
-def run_timeline(events, step: int, cfg, history: list[dict], run_name: str, directory) -> dict[str, Path]:
+def run_timeline(events, step: int, cfg, history: list[dict], run_name: str, location: str,
+                 on_drawn=None) -> dict[str, str]:
     """A run's last pipelined step drawn, titled with its schedule, micro-batches and bubble
-    (measured, and in theory)."""
+    (measured, and in theory), into `location` (a path or a URI)."""
     if cfg.parallel.pp == 1:
         raise RuntimeError("timeline() needs a pipeline: parallel.pp is 1")
     if not events:
@@ -86,4 +89,8 @@ def run_timeline(events, step: int, cfg, history: list[dict], run_name: str, dir
     title = (f"{run_name}: step {step}, schedule {lay.schedule}, pp={lay.pp}, "
              f"{lay.micro_batches(cfg.train.global_batch_size)} micro-batches; bubble {metrics['bubble_fraction']:.1%}"
              + (f" (theory {theory:.1%})" if theory is not None else ""))
-    return write_timeline(events, directory, title)
+    with staged(location) as local:
+        drawn = write_timeline(events, local, title)
+        if on_drawn is not None:
+            on_drawn(list(drawn.values()))
+    return {kind: join(location, path.name) for kind, path in drawn.items()}

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from raymp.config import RunConfig, flatten, resolved_dict
 from raymp.logs import MLFLOW_DB_SETUP, quiet_loggers
+from raymp.storage import local_artifact_root
 from raymp.tracking_store import tracking_uri
 
 # MLflow limits per log_batch call.
@@ -34,19 +35,16 @@ class RunTracker:
         from mlflow.tracking import MlflowClient
 
         self.uri = tracking_uri(cfg)
-        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        if cfg.tracking.tracking_uri is None:
+            Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)  # the embedded store's directory
         with quiet_loggers(*MLFLOW_DB_SETUP, level=logging.WARNING):  # creating a new database
             self.client = MlflowClient(tracking_uri=self.uri)
             exp = self.client.get_experiment_by_name(cfg.tracking.experiment)
         if exp is not None:
             self.experiment_id = exp.experiment_id
         else:
-            # With the embedded store, keep artifacts beside the database: MLflow's default
-            # artifact root is ./mlruns in the *current* directory, which scatters run data and
-            # can later flip MLflow's own default store (docs/design.md).
-            location = None
-            if cfg.tracking.tracking_uri is None:
-                location = (Path(cfg.output_dir).resolve() / "mlartifacts").as_uri()
+            # With the embedded store, keep artifacts beside the database (a server has its own root).
+            location = None if cfg.tracking.tracking_uri else local_artifact_root(cfg.output_dir)
             self.experiment_id = self.client.create_experiment(
                 cfg.tracking.experiment, artifact_location=location
             )

@@ -15,16 +15,19 @@ from urllib.parse import urlparse
 
 from raymp.config import ConfigError
 from raymp.logs import MLFLOW_DB_SETUP, quiet_loggers
+from raymp.storage import default_tracking_uri
 
 FIELD = "tracking.tracking_uri"
 
 
-def default_tracking_uri(output_dir: str) -> str:
-    return f"sqlite:///{Path(output_dir).resolve() / 'mlflow.db'}"
-
-
 def tracking_uri(cfg) -> str:
-    return cfg.tracking.tracking_uri or default_tracking_uri(cfg.output_dir)
+    """The run's MLflow store: tracking.tracking_uri, else the sqlite file under output_dir."""
+    if cfg.tracking.tracking_uri:
+        return cfg.tracking.tracking_uri
+    try:
+        return default_tracking_uri(cfg.output_dir)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def check_tracking_store(uri: str, timeout_s: float, reading: bool = False) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+import raymp.storage as storage
 from raymp.checkpoint.store import Checkpoint, read_marker
 from raymp.config import RunConfig, resolved_dict
 from raymp.data import DataPosition
@@ -48,7 +49,7 @@ class Trainer:
         self.session: Session | None = None
         self.elastic: ElasticController | None = None
         self.run_name = self.config.tracking.run_name or _default_run_name(self.config)
-        self.run_dir = Path(self.config.output_dir) / self.run_name
+        self.run_dir = storage.join(self.config.output_dir, self.run_name)  # a path or a URI (output_dir's)
         self.tracking: RunTracking | NoTracking = NoTracking()  # the MLflow hooks
         # on_event(name, info): ("placed", bundle nodes), ("step", steps done), on the training thread,
         # which waits for it: scripted faults (tests, local_cluster.py) happen at an exact point.
@@ -106,7 +107,8 @@ class Trainer:
             said_resume(resume, self.config, self._log)
         self.session.initial_position = self.feed.start if resume is None else None
         self.num_params = num_params(self.config, self.data.vocab_size)
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(resolved_dict(self.config), sort_keys=False))
+        storage.write_text(storage.join(self.run_dir, "config.yaml"),
+                           yaml.safe_dump(resolved_dict(self.config), sort_keys=False))
         if cfg.tracking.enabled:
             self.tracking = self.session.tracking = RunTracking.start(
                 self.config, self.run_name, self.session, self.device, self.num_params, resume, self.lineage.id,
@@ -187,8 +189,7 @@ class Trainer:
         finally:
             bar.close()
             if self.config.parallel.pp > 1 and self.history:
-                paths = self.timeline()
-                self.tracking.log_artifacts(paths.values())
+                paths = self.timeline(on_drawn=self.tracking.log_artifacts)
                 bar.print(f"pipeline timeline of the last step: {paths['png']} (Chrome trace: {paths['trace']})")
             done = self.global_step >= total
             if status != "FINISHED" or done:
@@ -253,16 +254,16 @@ class Trainer:
         self.setup()
         return self.session.state_dict()
 
-    def timeline(self, directory: str | Path | None = None) -> dict[str, Path]:
-        """Draw the last step's pipeline (dp replica 0) as timeline.png and timeline.json
-        (Chrome trace) in `directory` (default: the run directory). Returns the paths."""
+    def timeline(self, directory: str | Path | None = None, on_drawn=None) -> dict[str, str]:
+        """Draw the last step's pipeline (dp replica 0) as timeline.png and timeline.json (Chrome trace) in
+        `directory` (path or URI; default: the run directory); returns where. fit() logs them via `on_drawn`."""
         return run_timeline(self.last_pipeline_events, self._last_pipeline_step, self.config,
-                            self.history, self.run_name, directory or self.run_dir)
+                            self.history, self.run_name, str(directory or self.run_dir), on_drawn)
 
     def describe(self) -> str:
         self.setup()
         return describe(self.run_name, self.config, self.num_params, self.data.manifest, self.device,
-                        self.group.backend, self.config.parallel.stage_layers)
+                        self.group.backend, self.config.parallel.stage_layers, self.run_dir, self.lineage.store.root)
 
     def summary(self) -> str:
         return summary(self.history, self.feed, self.data.manifest, self.tracking, self.config.train.compile)

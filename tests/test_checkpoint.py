@@ -184,6 +184,31 @@ def test_crash_mid_write_leaves_the_previous_checkpoint_loadable(tmp_path, data_
     assert [c.step for c in store.committed()] == [4, 6]  # the retry of step 4 replaced the half write
 
 
+def test_a_uri_output_dir_keeps_the_run_data_and_checkpoints_and_resumes(tmp_path, group2):
+    """Issue 24: one storage location given as a URI (as s3:// or gs:// would be) holds the prepared
+    data, config.yaml and the checkpoints, written and read through fsspec/pyarrow, and a run
+    resumed from it goes on with the same losses and samples."""
+    store = f"file://{tmp_path}/store"
+    cfg = run_cfg(tmp_path, None, "unused", every=2, dp=2, steps=6)
+    cfg.update(output_dir=store, tracking={"enabled": False, "run_name": "on-uri"})
+    cfg["data"].pop("cache_dir")  # the default: <output_dir>/data-cache
+    cfg["checkpoint"].pop("dir")  # the default: <output_dir>/<run>/checkpoints
+    with Trainer(cfg, actor_group=group2, progress=False) as t:
+        assert t.run_dir == f"{store}/on-uri"
+        whole = t.fit()
+        assert f"kept in {store}/on-uri (config.yaml), checkpoints in {store}/on-uri/checkpoints, prepared data " \
+               f"in {store}/data-cache" in t.describe()  # the run says where everything is
+    run = tmp_path / "store" / "on-uri"
+    assert (run / "config.yaml").is_file() and any((tmp_path / "store" / "data-cache").iterdir())
+    assert [c.step for c in CheckpointStore(f"{store}/on-uri/checkpoints").committed()] == [4, 6]
+    cfg["checkpoint"]["resume"] = f"{store}/on-uri/checkpoints/step-00000004"
+    with Trainer(cfg, actor_group=group2, progress=False) as t:
+        assert t.setup().global_step == 4
+        rest = t.fit()
+    assert [m["loss"] for m in rest] == pytest.approx([m["loss"] for m in whole[4:]], rel=1e-6)
+    assert [m["sample_ids"].tolist() for m in rest] == [m["sample_ids"].tolist() for m in whole[4:]]
+
+
 def test_resume_never_refuses_a_dir_with_checkpoints(saved, data_cache, group4):
     cfg = run_cfg(saved["root"] / "never", data_cache, saved["dir"], every=2, resume="never", dp=2, pp=2)
     with pytest.raises(ConfigError, match="already holds checkpoints .*checkpoint.resume=auto"):

@@ -31,6 +31,32 @@ def test_output_dir_holds_the_prepared_data_unless_the_cache_is_set_apart():
     assert config_from_dict(resolved_dict(apart)).data.cache_dir == "s3://bucket/cache"
 
 
+def test_a_uri_output_dir_is_the_runs_storage_and_needs_a_tracking_server():
+    """Issue 24: output_dir may be a URI (like Ray Train's storage_path); MLflow's embedded sqlite
+    store cannot live there, so tracking must name a server (or be off)."""
+    with pytest.raises(ConfigError, match=r"output_dir 's3://bucket/runs' is a URI.*set tracking.tracking_uri"):
+        config_from_dict({"output_dir": "s3://bucket/runs"})
+    cfg = config_from_dict({"output_dir": "s3://bucket/runs", "tracking": {"tracking_uri": "http://mlflow:5000"}})
+    assert cfg.data.cache_dir == "s3://bucket/runs/data-cache"
+    assert config_from_dict({"output_dir": "gs://b/r", "tracking": {"enabled": False}}).output_dir == "gs://b/r"
+
+
+def test_storage_locations_keep_their_scheme_and_stage_files_for_a_uri(tmp_path):
+    from raymp import storage
+
+    assert storage.join("s3://bucket/runs", "a", "config.yaml") == "s3://bucket/runs/a/config.yaml"
+    assert storage.join("runs", "a") == "runs/a"
+    with storage.staged(f"file://{tmp_path}/store/run") as local:  # a URI: a temporary directory, uploaded
+        assert tmp_path not in local.parents
+        (local / "timeline.json").write_text("{}")
+    assert (tmp_path / "store" / "run" / "timeline.json").read_text() == "{}"
+    storage.remove_if_empty(f"file://{tmp_path}/store/run")  # not empty: kept
+    assert (tmp_path / "store" / "run").is_dir()
+    storage.make_dirs(f"file://{tmp_path}/store/empty")
+    storage.remove_if_empty(f"file://{tmp_path}/store/empty")
+    assert not (tmp_path / "store" / "empty").exists()
+
+
 def test_dotted_overrides_parse_yaml_values(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("parallel: {dp: 2, micro_batch_size: 2}\ntrain: {global_batch_size: 8}\n")

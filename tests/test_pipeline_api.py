@@ -4,6 +4,7 @@ in the MLflow run), the layout of stages, and `raymp timeline` on the command li
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -26,15 +27,15 @@ def test_pipeline_metrics_timeline_and_mlflow_artifacts(group2, tiny_cfg, tmp_pa
             assert len(m["stage_busy_s"]) == 2 and m["activation_peak_bytes_max"] > 0
             assert all("pipeline_events" not in r for r in m["per_rank"])
         # fit() saved the last step's timeline in the run directory...
-        assert (trainer.run_dir / "timeline.png").stat().st_size > 5000
-        trace = json.loads((trainer.run_dir / "timeline.json").read_text())
+        assert (Path(trainer.run_dir) / "timeline.png").stat().st_size > 5000
+        trace = json.loads((Path(trainer.run_dir) / "timeline.json").read_text())
         spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
         # 8 forwards (+ 8 loss computations on the last stage) and 8 backwards per stage.
         assert sum(e["name"].startswith("F") for e in spans) == 8 * 2 + 8
         assert sum(e["name"].startswith("B") for e in spans) == 8 * 2
         # ...and the API draws it anywhere.
         paths = trainer.timeline(tmp_path / "elsewhere")
-        assert paths["png"].is_file() and paths["trace"].is_file()
+        assert Path(paths["png"]).is_file() and Path(paths["trace"]).is_file()
         run_id, client = trainer.tracker.run_id, trainer.tracker.client
     artifacts = {a.path for a in client.list_artifacts(run_id)}
     assert {"timeline.png", "timeline.json", "config.yaml"} <= artifacts

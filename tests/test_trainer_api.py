@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -26,7 +27,7 @@ def test_step_inspect_fit_and_mlflow_run(group2, tiny_cfg, tmp_path):
         history = trainer.fit()  # continues from step 1 to train.steps
         assert [m["step"] for m in history] == [0, 1, 2, 3, 4]
         run_id, uri = trainer.tracker.run_id, trainer.tracker.uri
-        assert (trainer.run_dir / "config.yaml").is_file()
+        assert (Path(trainer.run_dir) / "config.yaml").is_file()
 
     from mlflow.tracking import MlflowClient
 

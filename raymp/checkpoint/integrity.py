@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import hashlib
 
-from raymp.checkpoint.store import Checkpoint, filesystem
+from raymp.checkpoint.store import Checkpoint
+from raymp.storage import fsspec_fs
 
 INDEX = ".metadata"
 _CHUNK = 8 << 20
@@ -40,7 +41,7 @@ def directory_files(path: str) -> dict[str, str]:
 
 def _hashed(path: str, wanted) -> dict[str, str]:
     """{file name: sha256} of the files in the directory at `path` whose name is `wanted`."""
-    fs, root = filesystem(path)
+    fs, root = fsspec_fs(path)
     names = sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(root, detail=False))
     return {n: file_sha256(fs, f"{root}/{n}") for n in names if wanted(n)}
 
@@ -48,7 +49,7 @@ def _hashed(path: str, wanted) -> dict[str, str]:
 def verify_files(path: str, expected: dict[str, str]) -> list[str]:
     """Problems found with `expected` ({name: sha256}) under `path`: one short phrase per file
     that is missing, unreadable or not what was written. Empty: all intact."""
-    fs, root = filesystem(path)
+    fs, root = fsspec_fs(path)
     problems = []
     for name, digest in sorted(expected.items()):
         try:
@@ -77,6 +78,6 @@ def verify(checkpoint: Checkpoint) -> list[str]:
     Checkpoints committed before markers carried checksums are checked for DCP's index only."""
     files = checkpoint.meta.get("files")
     if files is None:
-        fs, root = filesystem(checkpoint.path)
+        fs, root = fsspec_fs(checkpoint.path)
         return [] if fs.exists(f"{root}/{INDEX}") else [f"{INDEX} is missing"]
     return verify_files(checkpoint.path, files)

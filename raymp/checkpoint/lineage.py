@@ -22,14 +22,15 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from raymp.checkpoint.store import Checkpoint, CheckpointError, CheckpointStore, filesystem, read_marker
+from raymp.checkpoint.store import Checkpoint, CheckpointError, CheckpointStore, read_marker
+from raymp.storage import fsspec_fs
 from raymp.config import ConfigError
 
 
 def _same(a: str | None, b: str | None) -> bool:
     if a is None or b is None:
         return False
-    return filesystem(a)[1].rstrip("/") == filesystem(b)[1].rstrip("/")
+    return fsspec_fs(a)[1].rstrip("/") == fsspec_fs(b)[1].rstrip("/")
 
 
 def _parent(c: Checkpoint) -> str | None:

@@ -19,9 +19,10 @@ import json
 import re
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from raymp.storage import fsspec_fs, is_uri
 
 MARKER = "raymp.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -29,19 +30,6 @@ _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or used; the message says which and why."""
-
-
-def is_uri(path: str) -> bool:
-    return "://" in str(path)
-
-
-def filesystem(path: str):
-    """(fsspec filesystem, path inside it) for a local path or a URI."""
-    import fsspec
-
-    if not is_uri(path):
-        return fsspec.filesystem("file"), str(Path(path).expanduser().resolve())
-    return fsspec.core.url_to_fs(str(path))
 
 
 def storage_writer(path: str):
@@ -78,7 +66,7 @@ class Checkpoint:
 
 def read_marker(path: str) -> Checkpoint:
     """The committed checkpoint at `path`; CheckpointError if it was never committed."""
-    fs, root = filesystem(path)
+    fs, root = fsspec_fs(path)
     marker = f"{root.rstrip('/')}/{MARKER}"
     if not fs.exists(marker):
         state = "does not exist" if not fs.exists(root) else "was never committed (no raymp.json: its write did not finish)"
@@ -108,7 +96,7 @@ class CheckpointStore:
     def __init__(self, root: str, keep_last: int = 2):
         self.root = str(root).rstrip("/")
         self.keep_last = keep_last
-        self.fs, self._root = filesystem(self.root)
+        self.fs, self._root = fsspec_fs(self.root)
 
     def path_for(self, step: int) -> str:
         return f"{self.root}/step-{step:08d}"
@@ -167,7 +155,7 @@ class CheckpointStore:
 
     def discard(self, step: int) -> bool:
         """Delete what a failed save of `step` left behind (never a committed checkpoint)."""
-        _, inner = filesystem(self.path_for(step))
+        _, inner = fsspec_fs(self.path_for(step))
         if not self.fs.exists(inner) or self.fs.exists(f"{inner}/{MARKER}"):
             return False
         try:
@@ -192,7 +180,7 @@ class CheckpointStore:
     def prepare(self, step: int) -> str:
         """A clean directory for step's checkpoint (a leftover of an unfinished write is removed)."""
         path = self.path_for(step)
-        _, inner = filesystem(path)
+        _, inner = fsspec_fs(path)
         if self.fs.exists(f"{inner}/{MARKER}"):
             self.fs.rm(f"{inner}/{MARKER}")  # about to be overwritten: uncommit it first
         if self.fs.exists(inner):
@@ -202,14 +190,14 @@ class CheckpointStore:
 
     def has_index(self, step: int) -> bool:
         """Whether DCP's .metadata of step's checkpoint is on storage (all shards written)."""
-        _, inner = filesystem(self.path_for(step))
+        _, inner = fsspec_fs(self.path_for(step))
         return self.fs.exists(f"{inner}/.metadata")
 
     def commit(self, step: int, meta: dict, files: dict[str, str] | None = None) -> Checkpoint:
         """Write the marker (whole or not at all), then delete what keep_last no longer keeps.
         `files` ({name: sha256}, from the ranks) lets a later load verify every byte."""
         path = self.path_for(step)
-        _, inner = filesystem(path)
+        _, inner = fsspec_fs(path)
         meta = {"step": step, "committed_at": time.time(), **meta}
         if files is not None:
             meta["files"] = files

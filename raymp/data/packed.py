@@ -11,7 +11,8 @@ import numpy as np
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from raymp.data.corpus import DataError, filesystem_for
+from raymp.data.corpus import DataError
+from raymp.storage import arrow_fs
 from raymp.data.prepare import join, prepare, read_manifest
 
 
@@ -69,7 +70,7 @@ def _shard_starts(counts: tuple[int, ...]) -> np.ndarray:
 
 @functools.lru_cache(maxsize=16)
 def _shard_tokens(root: str, file: str, window: int) -> np.ndarray:
-    fs, path = filesystem_for(root)
+    fs, path = arrow_fs(root)
     column = pq.read_table(join(path, file), columns=["tokens"], filesystem=fs).column("tokens")
     return np.asarray(column.combine_chunks().flatten()).reshape(-1, window)
 
@@ -103,7 +104,7 @@ def load_dataset(data_cfg, seq_len: int, log=print) -> PackedDataset:
 
 def _is_dir(source: str) -> bool:
     try:
-        fs, path = filesystem_for(source)
+        fs, path = arrow_fs(source)
         return fs.get_file_info(path).type == pafs.FileType.Directory
     except (OSError, ValueError):
         return False

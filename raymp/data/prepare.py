@@ -21,7 +21,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
-from raymp.data.corpus import DataError, Skip, Source, filesystem_for, parse_file, resolve_source
+from raymp.data.corpus import DataError, Skip, Source, parse_file, resolve_source
+from raymp.storage import arrow_fs
 from raymp.data.ray_context import local_node_if_local_path, offers_no_cpu, on_node, ordered_context
 from raymp.data.tokenizers import get_tokenizer
 from raymp.runtime.cluster import connect
@@ -42,7 +43,7 @@ def join(root: str, name: str) -> str:
 
 def read_manifest(root: str) -> dict | None:
     """The manifest of a prepared directory, or None if it is not (completely) prepared."""
-    fs, path = filesystem_for(root)
+    fs, path = arrow_fs(root)
     try:
         with fs.open_input_stream(join(path, MANIFEST)) as f:
             return json.loads(f.read().decode())
@@ -64,7 +65,7 @@ def prepare(source_name: str, *, tokenizer: str, seq_len: int, cache_dir: str, t
     log(f"preparing {source_name!r} ({len(source.paths)} file(s), {sum(source.sizes) / 2**20:.1f} MiB) "
         f"with tokenizer {tok.name}, seq_len {seq_len} -> {root}")
     t0 = time.perf_counter()
-    fs, path = filesystem_for(root)
+    fs, path = arrow_fs(root)
     try:
         fs.create_dir(path, recursive=True)
     except OSError as exc:

@@ -3,10 +3,10 @@ checkpoints passed over, a rewind's abandoned timeline), and what a resume resto
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from pathlib import Path
 
+import raymp.storage as storage
 from raymp.checkpoint.lineage import Lineage, config_overrides
 from raymp.checkpoint.store import Checkpoint, CheckpointStore
 from raymp.config import ConfigError, RunConfig
@@ -22,18 +22,14 @@ def check_destinations(cfg: RunConfig) -> None:
             raise ConfigError(
                 f"{field} {value!r} is inside Ray's copy of the job's working directory ({Path.cwd()}), which Ray "
                 f"deletes after the job: the run's results (checkpoints, the MLflow database, the prepared data) "
-                f"would be lost; set "
-                f"{field} to durable storage, e.g. --set {field}=/mnt/shared/runs (a path every node reaches)"
-                + (" or an s3:// / gs:// URI" if field == "checkpoint.dir" else ""))
-    root = Path(cfg.output_dir).expanduser()
-    probe = root / f".raymp-write-probe-{os.getpid()}"
+                f"would be lost; set {field} to durable storage, e.g. --set {field}=/mnt/shared/runs (a path "
+                "every node reaches) or an s3:// / gs:// URI")
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as exc:
-        raise ConfigError(f"output_dir {cfg.output_dir} is not writable ({exc.strerror or exc}); set output_dir "
-                          "to a directory this user can write") from None
+        storage.check_writable(cfg.output_dir)
+    except Exception as exc:  # OSError locally; each object store raises its own kind
+        raise ConfigError(f"output_dir {cfg.output_dir} is not writable ({getattr(exc, 'strerror', None) or exc}); "
+                          "set output_dir to a directory this user can write, or storage these credentials "
+                          "reach") from None
     if cfg.tracking.enabled:
         check_tracking_store(tracking_uri(cfg), cfg.tracking.connect_timeout_s)
 
@@ -48,24 +44,21 @@ def _in_a_jobs_working_dir_copy(path: str) -> bool:
 
 
 @contextmanager
-def removed_if_setup_fails(run_dir: Path):
+def removed_if_setup_fails(run_dir: str):
     """A set-up that fails (no room for the actors, a model too large) leaves no empty run
     directory behind; whatever was written into it stays."""
     try:
         yield
     except BaseException:
-        for directory in (run_dir / "checkpoints", run_dir):
-            try:
-                directory.rmdir()  # only ever removes an empty directory
-            except OSError:
-                pass
+        for directory in (storage.join(run_dir, "checkpoints"), run_dir):
+            storage.remove_if_empty(directory)
         raise
 
 
-def open_lineage(cfg: RunConfig, run_dir: Path, log, data_position=None) -> Lineage:
+def open_lineage(cfg: RunConfig, run_dir: str, log, data_position=None) -> Lineage:
     """The checkpoint.dir's lineage; `data_position` (a start without a checkpoint) only when it has none."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    store = CheckpointStore(cfg.checkpoint.dir or str(run_dir / "checkpoints"), cfg.checkpoint.keep_last)
+    storage.make_dirs(run_dir)
+    store = CheckpointStore(cfg.checkpoint.dir or storage.join(run_dir, "checkpoints"), cfg.checkpoint.keep_last)
     if cfg.checkpoint.every:
         store.probe_writable()  # a read-only dir fails now, not at the first save
     lineage = Lineage.open(store, cfg.checkpoint.resume)

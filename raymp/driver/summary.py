@@ -12,7 +12,7 @@ MEMORY_KEYS = ("rank", "param_bytes", "grad_bytes", "optim_bytes", "activation_p
 
 
 def describe(run_name: str, cfg: RunConfig, num_params: int, manifest: dict, device: str, backend: str,
-             stage_layers: list[list[int]] | None) -> str:
+             stage_layers: list[list[int]] | None, run_dir: str, checkpoint_dir: str) -> str:
     lay, t = cfg.parallel.layout, cfg.train
     pipeline = ""
     if lay.pp > 1:
@@ -23,7 +23,8 @@ def describe(run_name: str, cfg: RunConfig, num_params: int, manifest: dict, dev
         f"{lay.text()}{' (sequence parallel)' if lay.sequence_parallel else ''} on {lay.world_size} {device} "
         f"actor(s) ({backend}); global batch {t.global_batch_size} x {t.seq_len} tokens "
         f"= {lay.micro_batches(t.global_batch_size)} micro-batch(es) of {lay.micro_batch_size} per replica; "
-        f"precision {cfg.precision}{pipeline}"
+        f"precision {cfg.precision}{pipeline}\n"
+        f"kept in {run_dir} (config.yaml), checkpoints in {checkpoint_dir}, prepared data in {cfg.data.cache_dir}"
     )
 
 
