@@ -91,15 +91,16 @@ class ActorGroup:
             ).remote(threads)
             for i in range(world_size)
         ]
-        knob, watch = "resources.rendezvous_timeout_s", self._check_placement
-        deadline = time.monotonic() + rendezvous_timeout_s
+        self.backend = "nccl" if self.device == "cuda" else "gloo"
+        self._join("init_distributed", collective_timeout_s, rendezvous_timeout_s, self._check_placement)
+
+    def _join(self, method: str, collective_timeout_s: float, rendezvous_timeout_s: float, watch=None) -> None:
+        """Form the process group of self.workers, in order: rank 0's address, then `method`
+        (init_distributed for new actors, rejoin for survivors) on every rank, then where each is."""
+        knob, deadline = "resources.rendezvous_timeout_s", _deadline(rendezvous_timeout_s)
         addr, port = self._gather([self.workers[0].rendezvous_address.remote()], deadline, knob, watch)[0]
-        backend = "nccl" if self.device == "cuda" else "gloo"
-        self._gather([
-            w.init_distributed.remote(rank, world_size, addr, port, backend, collective_timeout_s)
-            for rank, w in enumerate(self.workers)
-        ], deadline, knob, watch)
-        self.backend = backend
+        self._gather([getattr(w, method).remote(rank, len(self.workers), addr, port, self.backend, collective_timeout_s)
+                      for rank, w in enumerate(self.workers)], deadline, knob, watch)
         self.nodes = self._gather([w.node_info.remote() for w in self.workers], deadline, knob, watch)
         self.node_ids = sorted({n["node_id"] for n in self.nodes})
 
@@ -144,12 +145,7 @@ class ActorGroup:
         self.let_go(r for r in range(len(self.workers)) if r not in ranks)
         self.workers = [self.workers[r] for r in ranks]
         self.world_size = len(ranks)
-        knob, deadline = "resources.rendezvous_timeout_s", _deadline(rendezvous_timeout_s)
-        addr, port = self._gather([self.workers[0].rendezvous_address.remote()], deadline, knob)[0]
-        self._gather([w.rejoin.remote(rank, self.world_size, addr, port, self.backend, collective_timeout_s)
-                      for rank, w in enumerate(self.workers)], deadline, knob)
-        self.nodes = self._gather([w.node_info.remote() for w in self.workers], deadline, knob)
-        self.node_ids = sorted({n["node_id"] for n in self.nodes})
+        self._join("rejoin", collective_timeout_s, rendezvous_timeout_s)
 
     def _check_placement(self) -> None:
         """Raise at once if a node holding one of our bundles was lost while the group starts: an
