@@ -89,7 +89,7 @@ def dp_loop(config: dict) -> None:
 
     torch.set_num_threads(config["threads"])
     if config["raymp_malloc"]:
-        from raymp.runtime.worker import return_large_buffers_to_os
+        from raymp.runtime.process_memory import return_large_buffers_to_os
 
         return_large_buffers_to_os()
     ctx = ray.train.get_context()

@@ -21,7 +21,8 @@ import time
 
 import ray
 
-from raymp.runtime.worker import Worker, _peak_rss, _reset_peak_rss, _status_kib
+from raymp.runtime.process_memory import peak_rss, reset_peak_rss, status_kib
+from raymp.runtime.worker import Worker
 
 from benchmarks.common import run_config
 
@@ -35,14 +36,14 @@ class CappedWorker(Worker):
     as the kernel's OOM killer would, once it holds more than the cap above its start-up size."""
 
     def cap_memory(self, cap_bytes: int) -> int:
-        base = _reset_peak_rss()  # also resets the kernel's high-water mark
+        base = reset_peak_rss()  # also resets the kernel's high-water mark
         self._limit = base + cap_bytes
         threading.Thread(target=self._watch, daemon=True, name="memory-cap").start()
         return base
 
     def _watch(self) -> None:
         while True:
-            if _status_kib("VmRSS") * 1024 > self._limit:
+            if status_kib("VmRSS") * 1024 > self._limit:
                 print(f"memory cap: resident memory passed {self._limit / 2**20:.0f} MiB, stopping", flush=True)
                 os._exit(137)
             time.sleep(0.005)

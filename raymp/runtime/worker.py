@@ -3,7 +3,6 @@ and runs one whole training step per driver call (all micro-batches, backward, o
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import json
 import os
@@ -26,45 +25,9 @@ from raymp.layout import device_mesh
 from raymp.models import model_spec
 from raymp.optim import build_scheduler
 from raymp.runtime.peer_loss import is_peer_loss, leave_process_groups
+from raymp.runtime.process_memory import peak_rss, reset_peak_rss, return_large_buffers_to_os
 from raymp.runtime.report import RankReport
 from raymp.runtime.steps import LocalStep, PipelineStep
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _reset_peak_rss() -> int | None:
-    """Reset the kernel's peak-RSS mark (Linux: clear_refs 5) and return the RSS now, in
-    bytes; None where that is not available."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return _status_kib("VmRSS") * 1024
-    except OSError:
-        return None
-
-
-def _peak_rss() -> int:
-    return _status_kib("VmHWM") * 1024
-
-
-def return_large_buffers_to_os() -> None:
-    """Fix glibc's mmap threshold at 1 MiB (Linux/glibc only; elsewhere nothing to do).
-
-    glibc raises the threshold to up to 32 MiB after the first large buffer is freed; from then on
-    the gathered parameters and gradients ZeRO-3 makes and frees every block come from the heap
-    and stay resident after free. Measured (benchmarks/scale.py's ladder, 23.7M parameters, two
-    gloo ranks under FSDP2): peak RSS growth over two steps 580 MiB with the default, 215 MiB with
-    the threshold fixed, for 135 MiB of model state."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
 
 
 class Worker:
@@ -169,7 +132,7 @@ class Worker:
         spec = model_spec(cfg.model, vocab_size, cfg.seed)
         with torch.device("meta"):
             spec.build_meta()  # imports the model's code first: setup_peak_bytes counts memory, not code
-        rss_before = _reset_peak_rss()
+        rss_before = reset_peak_rss()
         if p.pp > 1:
             self.program = PipelineStep(cfg, spec, mesh, self.coords, self.device, dims, document_eot)
         else:
@@ -182,7 +145,7 @@ class Worker:
         self.eval_tokens = []
         info = {"rank": self.rank, "coords": self.coords, "num_params": self.program.num_params,
                 # How much memory building and loading this rank's part took at its peak.
-                "setup_peak_bytes": None if rss_before is None else _peak_rss() - rss_before}
+                "setup_peak_bytes": None if rss_before is None else peak_rss() - rss_before}
         if p.pp > 1:
             info["stages"] = self.program.stage_layers
         return info

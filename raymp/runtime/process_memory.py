@@ -1,0 +1,44 @@
+"""This process's memory as the kernel counts it (Linux /proc), and the one allocator setting
+that keeps freed gather buffers from staying resident. Used by the worker's memory reports and by
+the scale benchmark's per-actor cap."""
+
+from __future__ import annotations
+
+import ctypes
+
+
+def status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def reset_peak_rss() -> int | None:
+    """Reset the kernel's peak-RSS mark (Linux: clear_refs 5) and return the RSS now, in
+    bytes; None where that is not available."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return status_kib("VmRSS") * 1024
+    except OSError:
+        return None
+
+
+def peak_rss() -> int:
+    return status_kib("VmHWM") * 1024
+
+
+def return_large_buffers_to_os() -> None:
+    """Fix glibc's mmap threshold at 1 MiB (Linux/glibc only; elsewhere nothing to do).
+
+    glibc raises the threshold to up to 32 MiB after the first large buffer is freed; from then on
+    the gathered parameters and gradients ZeRO-3 makes and frees every block come from the heap
+    and stay resident after free. Measured (benchmarks/scale.py's ladder, 23.7M parameters, two
+    gloo ranks under FSDP2): peak RSS growth over two steps 580 MiB with the default, 215 MiB with
+    the threshold fixed, for 135 MiB of model state."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
