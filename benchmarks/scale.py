@@ -51,7 +51,7 @@ class CappedWorker(Worker):
     def peak_rss(self) -> int:
         """The kernel's high-water mark of resident memory since the cap was set: a peak
         between two looks of the watchdog is still seen here."""
-        return _peak_rss()
+        return peak_rss()
 
 
 def shape(dim: int, layers: int) -> dict:
@@ -104,6 +104,28 @@ def capped_fit(cfg: dict, world: int, cap: int, measure_more=None) -> dict:
     return result
 
 
+def unsharded_note(one: dict, eight: dict, cap_mib: int) -> str:
+    """Why 8 actors train less than 8x the model, in numbers: per rank, what ZeRO-3 shards (16
+    bytes per parameter over 8) against what it cannot (a gathered block with its gradient, and
+    the rest of the measured peak: activations, AdamW's temporaries, the allocator, the data reader)."""
+    mib = 2**20
+    state1 = one["params"] * 16 / mib
+    rest1 = one["peak_over_base"] / mib - state1
+    block_params = eight["params"] - _params(shape(eight["dim"], eight["layers"] - 1))
+    state8, block8 = eight["params"] * 16 / 8 / mib, block_params * 8 / mib  # fp32 parameters + gradient
+    rest8 = eight["peak_over_base"] / mib - state8 - block8
+    target = 7 * one["params"]  # the issue's goal; blocks grow with the model's share of them
+    block7 = block8 * target / eight["params"]
+    need7 = target * 16 / 8 / mib + block7 + rest8
+    return (f"In numbers (per rank, at the largest size each side trains): 1 actor, {one['params'] / 1e6:.1f}M: "
+            f"model state {state1:.0f} MiB, the rest {rest1:.0f} MiB. 8 actors, {eight['params'] / 1e6:.1f}M: "
+            f"sharded state {state8:.0f} MiB, one gathered block and its gradient {block8:.0f} MiB, the rest "
+            f"{rest8:.0f} MiB. 7x the one-actor model ({target / 1e6:.1f}M) would need about "
+            f"{target * 16 / 8 / mib:.0f} + {block7:.0f} + {rest8:.0f} = {need7:.0f} MiB per rank against the "
+            f"{cap_mib} MiB cap: the part ZeRO-3 cannot shard leaves too little room under a cap this small "
+            "(on an 80 GB GPU it is a rounding error).")
+
+
 def first_line(exc: Exception) -> str:
     text = str(exc)
     if "died" in text or "lost a peer" in text:
@@ -152,6 +174,7 @@ def measure(opts) -> dict:
             "cannot shard (one gathered block and its gradient at a time, activations, communication "
             "buffers, and each process's fixed costs such as its Ray Data reader) is why the gain is "
             "below 8x.",
+            *([unsharded_note(one, eight, opts.memory_cap_mib)] if one and eight else []),
             "Before this benchmark, 8 actors fit no larger model than 1: glibc kept every freed gather "
             "buffer resident (its mmap threshold grows to 32 MiB). raymp's workers now fix that threshold "
             "(raymp/runtime/worker.py); the two-rank FSDP2 probe behind the fix went from 580 to 215 MiB "

@@ -32,3 +32,16 @@ def test_plain_process_peer_trains_like_the_single_process_run(tiny_cfg):
     for a, b in zip(plain["losses"], reference):
         assert abs(a - b) <= 1e-5 * abs(b)
     assert len(plain["step_times"]) == 2 and all(t > 0 for t in plain["step_times"])
+
+
+def test_scale_says_in_numbers_what_zero3_cannot_shard():
+    """Issue 22: the scale section explains a gain below 7x with per-rank numbers (the arithmetic,
+    on the sizes BENCHMARKS.md measured: 19.6M on 1 actor at 506 MiB, 107.6M on 8 at 501 MiB)."""
+    from benchmarks.scale import _params, shape, unsharded_note
+
+    one = {"params": _params(shape(448, 8)), "peak_over_base": 506 * 2**20, "dim": 448, "layers": 8}
+    eight = {"params": _params(shape(896, 12)), "peak_over_base": 501 * 2**20, "dim": 896, "layers": 12}
+    note = unsharded_note(one, eight, 512)
+    assert "model state 299 MiB, the rest 207 MiB" in note  # 16 bytes per parameter on one actor
+    assert "sharded state 205 MiB, one gathered block and its gradient 68 MiB, the rest 228 MiB" in note
+    assert "262 + 87 + 228 = 577 MiB per rank against the 512 MiB cap" in note
