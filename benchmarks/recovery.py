@@ -78,6 +78,7 @@ def recovery(cluster, root: str, model: str, steps: int) -> dict:
 def checkpoint_cost(root: str, model: str, steps: int, every: int, rounds: int) -> list[dict]:
     group = ActorGroup(2, "cpu", cpus_per_actor=1.5, placement_timeout_s=120)
     modes = {"none": {"every": 0}, f"async every {every}": {"every": every, "async_save": True},
+             f"async process every {every}": {"every": every, "async_save": "process"},
              f"blocking every {every}": {"every": every, "async_save": False}}
     times = {name: [] for name in modes}
     blocked = {name: [] for name in modes}

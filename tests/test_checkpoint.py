@@ -111,13 +111,16 @@ def test_store_commits_atomically_prunes_and_ignores_unfinished(tmp_path):
     assert [name for name in sorted(os.listdir(tmp_path / "ck"))] == ["step-00000006", "step-00000010"]
 
 
-def test_async_save_is_a_snapshot(tmp_path):
+@pytest.mark.parametrize("writer", [True, "process"], ids=["thread", "process"])
+def test_async_save_is_a_snapshot(tmp_path, writer):
     """DCP's own async staging reads live CPU storage in the background: a step that runs while
-    the write is in flight would leak into the checkpoint (docs/design.md trap). raymp copies first."""
+    the write is in flight would leak into the checkpoint (docs/design.md trap). raymp copies first,
+    whether a thread or DCP's writer process writes."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     from raymp.checkpoint.rank_state import RankCheckpointer, host_copy
+    from raymp.checkpoint.writer_process import close_writer_process
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(_free_port())
@@ -126,7 +129,7 @@ def test_async_save_is_a_snapshot(tmp_path):
         checkpointer = RankCheckpointer(0, 1, dist.new_group(backend="gloo"))
         weight = torch.randn(4096, 1024)  # 16 MB: the write is still going when the update lands
         before = weight.clone()
-        checkpointer.write(host_copy({"model.w": weight}), str(tmp_path / "a"), 1, async_save=True)
+        checkpointer.write(host_copy({"model.w": weight}), str(tmp_path / "a"), 1, async_save=writer)
         weight.add_(1.0)  # the next optimizer step, in place
         report = checkpointer.wait()
         assert report["step"] == 1 and report["error"] is None
@@ -135,6 +138,7 @@ def test_async_save_is_a_snapshot(tmp_path):
         dcp.load(loaded, checkpoint_id=str(tmp_path / "a"), no_dist=True)
         assert torch.equal(loaded["model.w"], before)
     finally:
+        close_writer_process()
         dist.destroy_process_group()
 
 
@@ -207,6 +211,22 @@ def test_a_uri_output_dir_keeps_the_run_data_and_checkpoints_and_resumes(tmp_pat
         rest = t.fit()
     assert [m["loss"] for m in rest] == pytest.approx([m["loss"] for m in whole[4:]], rel=1e-6)
     assert [m["sample_ids"].tolist() for m in rest] == [m["sample_ids"].tolist() for m in whole[4:]]
+
+
+def test_a_writer_process_saves_sharded_state_that_resumes_exactly(tmp_path, data_cache, group2):
+    """Issue 22: checkpoint.async_save=process hands the host copy to DCP's writer process (ZeRO-3:
+    DTensor shards cross the pipe); training is unchanged and a resume goes on with the same steps."""
+    cfg = run_cfg(tmp_path, data_cache, tmp_path / "ck", every=2, dp=2, zero=3, steps=4)
+    cfg["checkpoint"]["async_save"] = "process"
+    with Trainer(cfg, actor_group=group2, progress=False) as t:
+        whole = t.fit()
+    assert [c.step for c in CheckpointStore(str(tmp_path / "ck")).committed()] == [2, 4]
+    cfg["checkpoint"]["resume"] = str(tmp_path / "ck" / "step-00000002")
+    with Trainer(cfg, actor_group=group2, progress=False) as t:
+        assert t.setup().global_step == 2
+        rest = t.fit()
+    assert [m["loss"] for m in rest] == pytest.approx([m["loss"] for m in whole[2:]], rel=1e-6)
+    assert [m["sample_ids"].tolist() for m in rest] == [m["sample_ids"].tolist() for m in whole[2:]]
 
 
 def test_resume_never_refuses_a_dir_with_checkpoints(saved, data_cache, group4):

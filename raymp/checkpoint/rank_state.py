@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from raymp.checkpoint.integrity import rank_files
 from raymp.checkpoint.store import CheckpointError, storage_reader, storage_writer
+from raymp.checkpoint.writer_process import WRITERS, start_writer_process
 
 TIED_HEAD, EMBEDDING = "output.weight", "tok_embeddings.weight"
 
@@ -146,7 +147,7 @@ class RankCheckpointer:
         self.pending: tuple[int, Future] | None = None
         self.writer_factory = storage_writer  # path -> DCP StorageWriter (tests inject failures here)
 
-    def save(self, path: str, step: int, program, engine, scheduler, async_save: bool) -> dict:
+    def save(self, path: str, step: int, program, engine, scheduler, async_save: bool | str) -> dict:
         """Start writing step's checkpoint. Waits first for the previous save (reported as
         wait_s: storage slower than the checkpoint interval shows up here)."""
         t0 = time.perf_counter()
@@ -157,9 +158,9 @@ class RankCheckpointer:
         self.write(sd, path, step, async_save)
         return {"wait_s": waited, "stage_s": staged, "blocked_s": time.perf_counter() - t0}
 
-    def write(self, sd: dict, path: str, step: int, async_save: bool) -> None:
-        """Write a host-copied state dict (see host_copy), in the background if async_save, then
-        hash the files this rank wrote (integrity.py) in the same background thread."""
+    def write(self, sd: dict, path: str, step: int, async_save: bool | str) -> None:
+        """Write a host-copied state dict (see host_copy), in the background if async_save (True: a
+        thread, "process": DCP's writer process), then hash the files this rank wrote (integrity.py)."""
         done: Future = Future()
 
         def hash_files(written: Future) -> None:
@@ -171,10 +172,12 @@ class RankCheckpointer:
 
         writer = self.writer_factory(path)
         self.pending = (step, done)
+        if async_save == "process":
+            start_writer_process(self.group)
         if async_save:
             try:
                 future = dcp.async_save(sd, storage_writer=writer, process_group=self.group,
-                                        async_stager=_AlreadyStaged())
+                                        async_stager=_AlreadyStaged(), async_checkpointer_type=WRITERS[async_save])
                 future = getattr(future, "upload_completion", future)
             except BaseException as exc:
                 future = _failed(exc)

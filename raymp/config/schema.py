@@ -245,7 +245,9 @@ class CheckpointConfig(_Strict):
     dir: str | None = Field(None, description="path or URI; None: <output_dir>/<name>/checkpoints")
     every: int = Field(0, ge=0, description="steps between checkpoints (and one at the end); 0: none")
     keep_last: int = Field(2, ge=1, description="committed checkpoints kept; older ones are deleted")
-    async_save: bool = Field(True, description="write in the background; the next steps do not wait")
+    async_save: bool | Literal["process"] = Field(
+        True, description="true: write from a background thread, the next steps do not wait; 'process': from "
+        "DCP's writer process instead (off the training process's GIL); false: the step loop waits")
     write_timeout_s: float = Field(
         600, gt=0, description="how long a save may take to reach storage before it is given up")
     resume: str = Field(

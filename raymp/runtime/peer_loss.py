@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from raymp.checkpoint.writer_process import close_writer_process
+
 
 def is_peer_loss(error: BaseException | None) -> bool:
     """A torch collective failed because a peer went away (gloo: connection closed or reset,
@@ -25,6 +27,8 @@ def leave_process_groups() -> None:
     Measured on gloo: a peer waiting on a rank that called ProcessGroupGloo.abort() waited for the
     whole timeout; on one that destroyed its groups, it failed at once. The connections close only
     when nothing holds the group any more: drop the model (DDP's reducer, the pipeline), the
-    optimizer and any cached DeviceMesh first."""
+    optimizer and any cached DeviceMesh first. DCP's writer process (async_save: process) is in a
+    group of its own with the old ranks, so it goes too."""
+    close_writer_process()
     if dist.is_initialized():
         dist.destroy_process_group()
