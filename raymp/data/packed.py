@@ -12,8 +12,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raymp.data.corpus import DataError
-from raymp.storage import arrow_fs
-from raymp.data.prepare import join, prepare, read_manifest
+from raymp.data.prepare import prepare, read_manifest
+from raymp.storage import arrow_fs, join
 
 
 @dataclass(frozen=True)

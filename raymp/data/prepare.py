@@ -22,10 +22,10 @@ import pyarrow.parquet as pq
 import ray
 
 from raymp.data.corpus import DataError, Skip, Source, parse_file, resolve_source
-from raymp.storage import arrow_fs
 from raymp.data.ray_context import local_node_if_local_path, offers_no_cpu, on_node, ordered_context
 from raymp.data.tokenizers import get_tokenizer
 from raymp.runtime.cluster import connect
+from raymp.storage import arrow_fs, is_uri, join
 
 MANIFEST = "manifest.json"
 FORMAT = "raymp-packed-v1"
@@ -35,10 +35,6 @@ MAX_SKIP_EXAMPLES = 20
 def cache_key(source: Source, tokenizer_name: str, seq_len: int) -> str:
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in tokenizer_name)
     return f"{source.fingerprint()}-{safe}-L{seq_len}"
-
-
-def join(root: str, name: str) -> str:
-    return f"{root.rstrip('/')}/{name}"
 
 
 def read_manifest(root: str) -> dict | None:
@@ -57,7 +53,7 @@ def prepare(source_name: str, *, tokenizer: str, seq_len: int, cache_dir: str, t
     """Prepare `source_name` (or find it already prepared). Returns (dataset root, manifest)."""
     source = resolve_source(source_name)
     tok = get_tokenizer(tokenizer)
-    root = join(cache_dir if "://" in cache_dir else os.path.abspath(os.path.expanduser(cache_dir)),
+    root = join(cache_dir if is_uri(cache_dir) else os.path.abspath(os.path.expanduser(cache_dir)),
                 cache_key(source, tok.name, seq_len))
     manifest = read_manifest(root)
     if manifest is not None:

@@ -7,6 +7,8 @@ import logging
 
 import ray
 
+from raymp.storage import is_uri
+
 
 def on_node(node_id: str | None) -> dict:
     """Ray remote args that keep tasks on `node_id` (None: anywhere). A label selector on the
@@ -31,7 +33,7 @@ def offers_no_cpu(node_id: str | None) -> bool:
 def local_node_if_local_path(root: str) -> str | None:
     """A plain path is on this (the driver's) node's disk: tasks that read it must run here. A
     URI (s3://, gs://, file:// on a shared mount, ...) is readable from every node."""
-    if "://" in root:
+    if is_uri(root):
         return None
 
     return ray.get_runtime_context().get_node_id()
