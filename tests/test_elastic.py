@@ -50,7 +50,7 @@ def test_gives_up_after_max_restarts(tiny_cfg, tmp_path):
     trainer = Trainer(elastic_cfg(tiny_cfg, tmp_path, max_restarts=0), progress=False)
     try:
         trainer.setup()
-        kill_rank_after(trainer, 3)
+        kill_rank_after(trainer, 3, committed=True)
         with pytest.raises(ElasticError, match=r"giving up after 1 failures \(elastic.max_restarts=0\).*rank 1"):
             trainer.fit()
         # Its last checkpoint is committed for a later resume.
