@@ -10,7 +10,7 @@ layout rule of its own.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
 V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, placed as a V
@@ -75,9 +75,6 @@ class Layout:
             values["stage_layers"] = tuple(tuple(s) for s in values["stage_layers"])
         return cls(**values)
 
-    def with_dp(self, dp: int) -> "Layout":
-        return replace(self, dp=dp)
-
     # -- arithmetic ---------------------------------------------------------------------------
 
     @property
@@ -114,15 +111,26 @@ class Layout:
     def num_stages(self) -> int:
         return self.pp * self.stages_per_rank
 
+    @property
+    def state_replicas(self) -> int:
+        """Whole copies of the training state the ranks hold: each dp replica under ZeRO-0, each
+        HSDP group (ZeRO shards inside it) under dp_replicate, else one."""
+        return self.dp if self.zero == 0 else self.dp_replicate
+
     def replica_of(self, rank: int) -> list[int]:
-        """The ranks of `rank`'s dp replica (dp is the outermost mesh dimension)."""
-        per = self.world_size // self.dp
+        """The ranks that hold one whole copy of the state with `rank`: contiguous, as dp (and
+        dp_replicate in it) is the outermost mesh dimension."""
+        per = self.world_size // self.state_replicas
         return list(range(rank // per * per, rank // per * per + per))
 
     def whole_replicas(self, ranks) -> list[list[int]]:
-        """The ranks of each dp replica whose ranks are all among `ranks`, in order."""
-        alive, per = set(ranks), self.world_size // self.dp
+        """The ranks of each whole copy of the state (replica_of) that are all among `ranks`, in order."""
+        alive, per = set(ranks), self.world_size // self.state_replicas
         return [reps for r in range(0, self.world_size, per) if alive.issuperset(reps := self.replica_of(r))]
+
+    def keeping(self, replicas: int) -> dict[str, int]:
+        """The parallel settings that go on with `replicas` of its state replicas (the survivors')."""
+        return {"dp": replicas} if self.zero == 0 else {"dp": replicas * self.dp_shard, "dp_replicate": replicas}
 
     def micro_batches(self, global_batch: int) -> int:
         """Micro-batches each replica runs per optimizer step."""
@@ -204,7 +212,7 @@ class Layout:
         """Every reason this layout cannot run this model at this batch, most basic first."""
         return [*self._data_parallel_problems(), *self._tensor_problems(shape, seq_len, devices_per_node),
                 *self._context_problems(shape, seq_len), *self._pipeline_problems(shape),
-                *self._batch_problems(global_batch)]
+                *_batch_problems(self, global_batch)]
 
     def _data_parallel_problems(self):
         rep = self.dp_replicate
@@ -284,26 +292,6 @@ class Layout:
                 yield (f"parallel.stage_layers must split layers 0..{shape.n_layers - 1} into consecutive "
                        f"runs, in order, each layer once; got {[list(s) for s in self.stage_layers]}")
 
-    def _batch_problems(self, global_batch: int):
-        per_step = self.dp * self.micro_batch_size
-        if global_batch % per_step:
-            below, above = global_batch // per_step * per_step, (global_batch // per_step + 1) * per_step
-            yield (f"train.global_batch_size ({global_batch}) must be divisible by parallel.dp * "
-                   f"parallel.micro_batch_size = {self.dp}*{self.micro_batch_size} = {per_step}; try "
-                   f"train.global_batch_size={f'{below} or {above}' if below else above}")
-            return
-        micro, need = self.micro_batches(global_batch), self.min_micro_batches
-        if micro < need:
-            yield (f"schedule {self.schedule} with parallel.pp={self.pp} needs at least {need} micro-batches "
-                   f"per replica, but train.global_batch_size / (parallel.dp * parallel.micro_batch_size) = "
-                   f"{micro}; raise train.global_batch_size to {need * per_step} or lower "
-                   "parallel.micro_batch_size")
-        rounds = max(1, micro // self.pp)
-        if self.pp > 1 and self.schedule == "interleaved" and micro % rounds:
-            yield (f"schedule interleaved needs the micro-batch count ({micro}) to be a multiple of "
-                   f"max(1, micro-batches // pp) = {rounds}; use a multiple of parallel.pp={self.pp} "
-                   "micro-batches per replica")
-
 
 def device_mesh(layout: Layout, device_type: str) -> dict:
     """The device mesh by role: "cp", "pp", "tp", and "data", the data-parallel ranks that
@@ -322,3 +310,25 @@ def device_mesh(layout: Layout, device_type: str) -> dict:
     # needs its mesh and the TP mesh cut from one root, which a second init_device_mesh is not.
     data = mesh["dp", "cp"]._flatten("dp_cp") if layout.cp > 1 else mesh["dp"]
     return {"data": data, "cp": mesh["cp"], "pp": mesh["pp"], "tp": mesh["tp"]}
+
+
+def _batch_problems(layout: Layout, global_batch: int):
+    """Layout's rules on the global batch: whole micro-batches per replica, as many as the schedule needs."""
+    per_step = layout.dp * layout.micro_batch_size
+    if global_batch % per_step:
+        below, above = global_batch // per_step * per_step, (global_batch // per_step + 1) * per_step
+        yield (f"train.global_batch_size ({global_batch}) must be divisible by parallel.dp * "
+               f"parallel.micro_batch_size = {layout.dp}*{layout.micro_batch_size} = {per_step}; try "
+               f"train.global_batch_size={f'{below} or {above}' if below else above}")
+        return
+    micro, need = layout.micro_batches(global_batch), layout.min_micro_batches
+    if micro < need:
+        yield (f"schedule {layout.schedule} with parallel.pp={layout.pp} needs at least {need} micro-batches "
+               f"per replica, but train.global_batch_size / (parallel.dp * parallel.micro_batch_size) = "
+               f"{micro}; raise train.global_batch_size to {need * per_step} or lower "
+               "parallel.micro_batch_size")
+    rounds = max(1, micro // layout.pp)
+    if layout.pp > 1 and layout.schedule == "interleaved" and micro % rounds:
+        yield (f"schedule interleaved needs the micro-batch count ({micro}) to be a multiple of "
+               f"max(1, micro-batches // pp) = {rounds}; use a multiple of parallel.pp={layout.pp} "
+               "micro-batches per replica")

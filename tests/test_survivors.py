@@ -28,14 +28,17 @@ def ref(data_cache, tmp_path_factory):
     ({"dp": 2, "pp": 2, "schedule": "1f1b"}, 3, 1),
     ({"dp": 2, "tp": 2}, 2, 1),
     ({"dp": 2, "cp": 2}, 3, 1),
-], ids=["dp2", "dp4-rank0", "dp2xpp2", "dp2xtp2", "dp2xcp2"])
+    # HSDP: two groups of two ZeRO-3 shards; group 0 loses rank 0 (rank 1 is let go), group 1
+    # holds the whole state and goes on as plain ZeRO-3 over its two shards.
+    ({"dp": 4, "dp_replicate": 2, "zero": 3}, 0, 2),
+], ids=["dp2", "dp4-rank0", "dp2xpp2", "dp2xtp2", "dp2xcp2", "hsdp2x2-zero3"])
 def test_survivors_keep_their_state_and_redo_no_step(parallel, lost, kept_dp, ref, data_cache, tmp_path):
     cfg = matrix_cfg(tmp_path, data_cache, parallel={"zero": 0, "micro_batch_size": 1, **parallel},
                      elastic={"keep_survivors": True, "grow_back": False})
     with Trainer(cfg, progress=False) as trainer:
         trainer.setup()
         pids = [n["pid"] for n in trainer.group.nodes]
-        per_replica = len(pids) // parallel["dp"]
+        lost_copy = {pids[r] for r in trainer.config.parallel.layout.replica_of(lost)}
         kill_rank_after(trainer, 3, rank=lost)
         history = trainer.fit()
         (event,) = trainer.restarts
@@ -43,14 +46,17 @@ def test_survivors_keep_their_state_and_redo_no_step(parallel, lost, kept_dp, re
     assert event["recovery"] == "survivors" and event["checkpoint"] is None  # nothing read from storage
     assert event["resumed_step"] == event["failed_step"]  # nothing redone
     assert (layout.dp, layout.cp, layout.pp, layout.tp) == (kept_dp, *(parallel.get(d, 1) for d in ("cp", "pp", "tp")))
-    # The same processes go on, whole replicas (which ones: whichever gloo let end the step first).
-    lost_replica = set(pids[lost // per_replica * per_replica:][:per_replica])
-    assert len(event["pids"]) == kept_dp * per_replica and set(event["pids"]) <= set(pids) - lost_replica
+    assert layout.zero == parallel.get("zero", 0) and layout.dp_replicate == 1
+    # The same processes go on, whole copies of the state (which: whichever gloo let end the step first).
+    assert len(event["pids"]) == layout.world_size and set(event["pids"]) <= set(pids) - lost_copy
     check_against_reference(history, ref, range(STEPS))
 
 
-def test_keep_survivors_is_refused_where_a_replica_holds_only_part_of_the_state(tmp_path, data_cache):
+def test_keep_survivors_is_refused_where_no_second_copy_of_the_state_exists(tmp_path, data_cache):
     for zero in (1, 2, 3):
         cfg = matrix_cfg(tmp_path, data_cache, parallel={"dp": 2, "zero": zero}, elastic={"keep_survivors": True})
-        with pytest.raises((ConfigError, ValueError), match="elastic.keep_survivors needs each dp replica"):
+        with pytest.raises((ConfigError, ValueError), match="elastic.keep_survivors needs a second whole copy"):
             config_from_dict(cfg)
+    hsdp = matrix_cfg(tmp_path, data_cache, parallel={"dp": 4, "dp_replicate": 2, "zero": 3},
+                      elastic={"keep_survivors": True})
+    assert config_from_dict(hsdp).parallel.layout.state_replicas == 2  # each HSDP group holds it all

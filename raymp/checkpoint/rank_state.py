@@ -27,6 +27,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from raymp.checkpoint.integrity import rank_files
@@ -294,6 +295,10 @@ class RankCheckpointer:
 def host_state(program, engine, scheduler) -> dict:
     """A host copy of everything this rank holds (a tied head's copy included), for
     load_host_state() on the same rank after it re-forms its process group."""
+    for module in engine.modules:  # a step that failed mid-way may have left FSDP blocks gathered
+        for block in module.modules():
+            if isinstance(block, FSDPModule):
+                block.reshard()
     tied = program.tied_embeddings
     sd = {f"model.{key}": tensors[0][0] for key, tensors in model_tensors(engine.modules, tied).items()}
     optim = engine.local_optimizer()
@@ -310,7 +315,8 @@ def host_state(program, engine, scheduler) -> dict:
 def load_host_state(sd: dict, program, engine, scheduler) -> None:
     """Fill a freshly set-up rank from host_state(): how a survivor of a loss keeps what it held
     (no storage). Its new place in the mesh holds the same part of the model as the old one
-    (same cp, pp and tp coordinates; ZeRO-0), so each local tensor is copied as it was."""
+    (same cp, pp and tp coordinates, and under HSDP the same shard of its group), so each local
+    tensor is copied as it was."""
     tied = program.tied_embeddings
     with torch.no_grad():
         for key, tensors in model_tensors(engine.modules, tied).items():

@@ -16,7 +16,7 @@ from raymp.config import RunConfig, resolved_dict
 from raymp.driver.launch import Launcher
 from raymp.driver.metrics import peak_tflops, step_metrics
 from raymp.driver.stopping import stop_signals_held
-from raymp.elastic import with_dp
+from raymp.elastic import with_dp, with_replicas
 from raymp.models import model_args
 from raymp.step_time import step_flops
 from raymp.runtime.actor_group import ActorGroup, WorkerLostError
@@ -151,14 +151,15 @@ class Session:
             except Exception:
                 pass
 
-    def go_on_with(self, ranks: list[int], dp: int) -> list[int]:
-        """The run again with the kept ranks (whole replicas, in order) as its `dp` replicas,
-        their state from memory, from the step that failed. Returns their process ids (unchanged)."""
+    def go_on_with(self, ranks: list[int], replicas: int) -> list[int]:
+        """The run again with the kept ranks (whole copies of the state, in order) as its
+        `replicas` copies (elastic.with_replicas), their state from memory, from the step that
+        failed. Returns their process ids (unchanged)."""
         r, group = self.config.resources, self.group
         self._ahead = None
         try:
             group.shrink_to(ranks, r.collective_timeout_s, r.rendezvous_timeout_s)
-            self.config = with_dp(self.config, dp)
+            self.config = with_replicas(self.config, replicas)
             self.launch(self.launcher.feed.position(), survivors=group)
             return [n["pid"] for n in group.nodes]
         except BaseException:

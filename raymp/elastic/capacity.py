@@ -49,10 +49,20 @@ def capacity(cfg: RunConfig, device: str, reserve_node: str | None, reserve_cpus
 def largest_valid_dp(cfg: RunConfig, limit: int) -> int | None:
     """The largest dp <= limit the config accepts (the global batch must split into whole
     micro-batches per replica, and the schedule may need a minimum count of them)."""
-    for dp in range(limit, 0, -1):
+    return _largest_valid(cfg, limit, with_dp)
+
+
+def largest_valid_replicas(cfg: RunConfig, limit: int) -> int | None:
+    """The most whole copies of the state (Layout.state_replicas) <= limit that survivors can go
+    on with: the layout with_replicas() makes must validate."""
+    return _largest_valid(cfg, limit, with_replicas)
+
+
+def _largest_valid(cfg: RunConfig, limit: int, build) -> int | None:
+    for n in range(limit, 0, -1):
         try:
-            with_dp(cfg, dp)
-            return dp
+            build(cfg, n)
+            return n
         except ValueError:
             continue
     return None
@@ -60,6 +70,17 @@ def largest_valid_dp(cfg: RunConfig, limit: int) -> int | None:
 
 def with_dp(cfg: RunConfig, dp: int) -> RunConfig:
     return config_from_dict(resolved_dict(cfg), [f"parallel.dp={dp}"])
+
+
+def with_replicas(cfg: RunConfig, replicas: int) -> RunConfig:
+    """The run with `replicas` of its whole copies of the state (Layout.keeping): dp replicas
+    under ZeRO-0, HSDP groups of the same shard size under ZeRO 2-3. Down to one copy under ZeRO,
+    a next loss leaves none whole, so keep_survivors goes off (the config rule would refuse it)."""
+    keeping = cfg.parallel.layout.keeping(replicas)
+    overrides = [f"parallel.{k}={v}" for k, v in keeping.items()]
+    if replicas == 1 and cfg.parallel.zero > 0:
+        overrides.append("elastic.keep_survivors=false")
+    return config_from_dict(resolved_dict(cfg), overrides)
 
 
 def wait_for_replicas(cfg: RunConfig, target_dp: int, device: str, reserve_node: str | None,

@@ -18,7 +18,7 @@ from enum import Enum
 from typing import Protocol
 
 from raymp.checkpoint.store import Checkpoint, CheckpointError
-from raymp.elastic.capacity import ElasticError, capacity, largest_valid_dp, wait_for_replicas
+from raymp.elastic.capacity import ElasticError, capacity, largest_valid_dp, largest_valid_replicas, wait_for_replicas
 from raymp.layout import Layout
 from raymp.runtime.actor_group import PlacementError, WorkerLostError
 
@@ -43,7 +43,7 @@ class ElasticRun(Protocol):
 
     def keep_survivors(self, lost_rank: int | None) -> dict[int, int]: ...
 
-    def go_on_with(self, ranks: list[int], dp: int) -> list[int]: ...
+    def go_on_with(self, ranks: list[int], replicas: int) -> list[int]: ...
 
     def on_restart(self, event: dict) -> None: ...
 
@@ -183,15 +183,15 @@ class ElasticController:
         kept = self.run.keep_survivors(lost.rank if lost.kind == "died" else None)
         held, at = sorted(set(kept.values())), self.run.global_step
         replicas = layout.whole_replicas(kept)
-        dp = largest_valid_dp(self.run.config, len(replicas)) if replicas else None
-        if held != [at] or dp is None:
+        n = largest_valid_replicas(self.run.config, len(replicas)) if replicas else None
+        if held != [at] or n is None:
             why = (f"their states are after steps {held}, the run is at step {at}" if held != [at] else
-                   "no whole replica survived" if not replicas else
-                   f"{len(replicas)} whole replica(s) split the global batch into no valid dp")
+                   "no whole copy of the state survived" if not replicas else
+                   f"{len(replicas)} whole copies of the state split the global batch into no valid dp")
             self.say(f"elastic: the survivors cannot go on alone ({why}); restarting from the lineage")
             return None
         before = layout.record()
-        pids = self.run.go_on_with([r for ranks in replicas[:dp] for r in ranks], dp)
+        pids = self.run.go_on_with([r for ranks in replicas[:n] for r in ranks], n)
         return {**self._event("failure", lost, in_flight, before), "recovery": "survivors",
                 "resumed_step": at, "checkpoint": None, "wait_for_resources_s": 0.0,
                 "relaunch_s": time.monotonic() - t0, "pids": pids}
