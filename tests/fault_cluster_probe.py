@@ -170,6 +170,11 @@ SCENARIOS = {
         p, r, parallel={"micro_batch_size": 1}, elastic={"keep_survivors": True}),
     "node loss of the rendezvous rank, survivors keep their state, dp4 -> dp2": lambda p, r: node_loss(
         p, r, dp=4, nodes=4, rank=0, parallel={"micro_batch_size": 1}, elastic={"keep_survivors": True}),
+    # One rank per node (2 CPUs, 1.5 per actor): the lost node takes rank 0, its group's other rank is let go, and the
+    # other HSDP group (two ZeRO-3 shards on two more nodes) goes on with what it holds.
+    "node loss of an HSDP group's rank, survivors keep their state, 2x2 -> 1x2": lambda p, r: node_loss(
+        p, r, zero=3, dp=4, nodes=4, rank=0, parallel={"micro_batch_size": 1, "dp_replicate": 2},
+        elastic={"keep_survivors": True}),
     "node loss before the first checkpoint": lambda p, r: node_loss(
         p, r, after=1, committed=None, checkpoint={"every": 4}),
 }

@@ -94,7 +94,8 @@ def test_node_loss_3d(results, refs):
 
 
 @pytest.mark.parametrize("name,kept", [("node loss, survivors keep their state, dp2 -> dp1", 1),
-                                       ("node loss of the rendezvous rank, survivors keep their state, dp4 -> dp2", 2)])
+                                       ("node loss of the rendezvous rank, survivors keep their state, dp4 -> dp2", 2),
+                                       ("node loss of an HSDP group's rank, survivors keep their state, 2x2 -> 1x2", 2)])
 def test_node_loss_survivors_keep_their_state(results, refs, name, kept):
     """elastic.keep_survivors: the same processes go on from the failed step with what they hold
     in memory; no checkpoint is read and no step is redone."""
