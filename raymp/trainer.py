@@ -101,7 +101,7 @@ class Trainer:
             self.session = Session(cfg, launcher, say, self.run_name, self.tracking, self._restarted)
             self.elastic = ElasticController(
                 self.session, FailurePolicy(cfg.elastic, self._shared_group is not None),
-                ScalingPolicy(lay.dp, self.device, self.feed.node, cfg.elastic.grow_back), say)
+                ScalingPolicy(lay, self.device, self.feed.node, cfg.elastic.grow_back), say)
             self.resumed_from = resume = self.session.launch(self._resume_position)
         if resume is not None:
             said_resume(resume, self.config, self._log)
@@ -144,11 +144,12 @@ class Trainer:
         """Run one optimizer step on every actor and return the aggregated metrics. (fit() passes
         its target: the next step may then be queued on the actors early, train.dispatch_ahead.)"""
         self.setup()
+        joining = self.elastic.join_if_room(now=not self.session.queued())  # lost replicas back, live
         t, step = self.config.train, self.global_step
         if step >= t.steps:
             raise RuntimeError(f"the run is complete: train.steps={t.steps} steps done")
         eval_due = self.feed.eval_due(step, t)
-        ahead = t.dispatch_ahead and step + 1 < _then_until and not eval_due and self.on_event is None
+        ahead = t.dispatch_ahead and step + 1 < _then_until and not (eval_due or joining or self.on_event)
         reports, metrics = self.session.run_step(step, next_may_start=ahead)
         self.feed.next_step += 1
         metrics["restarts"] = len(self.restarts)
@@ -157,8 +158,7 @@ class Trainer:
         if eval_due:
             metrics["val_loss"] = self.evaluate()
         self.history.append(metrics)
-        if self.session.after_step(reports, self.global_step, metrics,
-                                   lambda: self.elastic.scaling.grow_to(self.config) is not None):
+        if self.session.after_step(reports, self.global_step, metrics, self.elastic.grows_at_checkpoint):
             self.elastic.grow()  # from the checkpoint just committed
         self.tracking.on_step(metrics)
         return metrics

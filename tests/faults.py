@@ -95,16 +95,18 @@ def copy_checkpoints(src: Path, dst: Path) -> Path:
     return dst
 
 
-def kill_rank_after(trainer, steps: int, rank: int = 1, committed: bool = False) -> threading.Thread:
-    """Kill one rank's actor once `steps` steps are done (waits on the history, not a clock),
-    and with `committed` once a checkpoint is committed too (a background save may still be
-    writing when the steps are done; on a busy machine, for longer than a step)."""
+def kill_rank_after(trainer, steps: int, rank: int | list[int] = 1, committed: bool = False) -> threading.Thread:
+    """Kill one rank's actor (or several at once) once `steps` steps are done (waits on the
+    history, not a clock), and with `committed` once a checkpoint is committed too (a background
+    save may still be writing when the steps are done; on a busy machine, for longer than a step)."""
     import ray
 
     def kill():
         while len(trainer.history) < steps or (committed and trainer.checkpoints.store.latest() is None):
             time.sleep(0.02)
-        ray.kill(trainer.group.workers[rank])
+        workers = [trainer.group.workers[r] for r in ([rank] if isinstance(rank, int) else rank)]
+        for worker in workers:
+            ray.kill(worker)
 
     thread = threading.Thread(target=kill, daemon=True)
     thread.start()

@@ -60,3 +60,52 @@ def test_keep_survivors_is_refused_where_no_second_copy_of_the_state_exists(tmp_
     hsdp = matrix_cfg(tmp_path, data_cache, parallel={"dp": 4, "dp_replicate": 2, "zero": 3},
                       elastic={"keep_survivors": True})
     assert config_from_dict(hsdp).parallel.layout.state_replicas == 2  # each HSDP group holds it all
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("parallel,lost", [
+    ({"dp": 4}, 3),
+    # HSDP 2x2 -> 1x2 -> 2x2: the group that joins takes its two shards from the other group's.
+    ({"dp": 4, "dp_replicate": 2, "zero": 3}, 0),
+    # Whole TP groups: the replica let go frees its own placement group, where the new one starts.
+    ({"dp": 2, "tp": 2}, 2),
+], ids=["dp4", "hsdp2x2-zero3", "dp2xtp2"])
+def test_lost_replicas_join_back_from_live_peers(parallel, lost, ref, data_cache, tmp_path):
+    """On one node, a killed rank's bundle stays placed: right after the survivors go on, the
+    replicas they let go start again there and take their state from a survivor's memory."""
+    cfg = matrix_cfg(tmp_path, data_cache, parallel={"zero": 0, "micro_batch_size": 1, **parallel},
+                     elastic={"keep_survivors": True})
+    with Trainer(cfg, progress=False) as trainer:
+        trainer.setup()
+        configured = trainer.config.parallel.layout
+        pids = [n["pid"] for n in trainer.group.nodes]
+        lost_copy = {pids[r] for r in configured.replica_of(lost)}
+        kill_rank_after(trainer, 3, rank=lost)
+        history = trainer.fit()
+        survived, joined = trainer.restarts
+        layout, pids_after = trainer.config.parallel.layout, [n["pid"] for n in trainer.group.nodes]
+        keep_survivors = trainer.config.elastic.keep_survivors
+    assert survived["recovery"] == "survivors" and joined["recovery"] == "live join"
+    assert joined["checkpoint"] is None and joined["resumed_step"] == survived["resumed_step"]  # none redone
+    assert layout.record() == configured.record() and keep_survivors  # the configured layout again
+    # The survivors' processes go on as the first replicas; the joined ranks are new processes.
+    kept = len(joined["pids"])
+    assert pids_after[:kept] == joined["pids"] and set(joined["pids"]) <= set(pids) - lost_copy
+    assert not set(pids_after[kept:]) & set(pids)
+    check_against_reference(history, ref, range(STEPS))
+
+
+@pytest.mark.timeout(300)
+def test_a_loss_that_takes_every_whole_copy_restores_from_the_checkpoint(ref, data_cache, tmp_path):
+    """2x2 HSDP loses a rank of each group at once: no whole copy of the state is left in memory,
+    so the run restarts from the newest committed checkpoint and redoes the steps since."""
+    cfg = matrix_cfg(tmp_path, data_cache, parallel={"dp": 4, "dp_replicate": 2, "zero": 3, "micro_batch_size": 1},
+                     elastic={"keep_survivors": True})
+    with Trainer(cfg, progress=False) as trainer:
+        trainer.setup()
+        kill_rank_after(trainer, 3, rank=[0, 2], committed=True)
+        history = trainer.fit()
+        event = trainer.restarts[-1]
+    assert event["recovery"] == "restart" and event["checkpoint"] is not None
+    assert event["resumed_step"] <= event["failed_step"] and event["resumed_step"] > 0
+    check_against_reference(history, ref, range(STEPS))

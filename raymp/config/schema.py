@@ -264,14 +264,16 @@ class ElasticConfig(_Strict):
     wait_for_resources_s: float = Field(
         30, ge=0, description="how long to wait for room for one replica when the survivors hold none; "
         "when they can go on (with fewer replicas) they do so at once")
-    grow_back: bool = Field(True, description="return to the configured dp at a checkpoint once devices return")
+    grow_back: bool = Field(True, description="return to the configured dp once devices return: at a "
+                            "checkpoint after a restart; after survivors went on, before the next step, the "
+                            "missing replicas taking their state from live peers")
     step_timeout_s: float | None = Field(
         None, gt=0, description="a step taking longer counts as a failure (a hung rank); None: no limit")
     poll_s: float = Field(1.0, gt=0, description="how often to look for resources while waiting")
     keep_survivors: bool = Field(
         False, description="after a loss, the surviving actors keep their state in memory and go on "
-        "from the failed step (no restart, no checkpoint read, no step redone) where whole dp replicas "
-        "survive; needs parallel.zero=0, where each replica holds the whole state")
+        "from the failed step (no restart, no checkpoint read, no step redone) where whole copies of the "
+        "state survive; needs parallel.zero=0 (each dp replica holds it) or HSDP (parallel.dp_replicate >= 2)")
     survivor_grace_s: float = Field(
         10, gt=0, description="keep_survivors: once one survivor has ended its failed step, how long "
         "the others get; one still waiting then (gloo does not always wake a rank whose peer is gone) "

@@ -77,11 +77,13 @@ class Launcher:
                           on_event=self.on_event, **({"worker_cls": self.worker_cls} if self.worker_cls else {}))
 
     def launch(self, cfg: RunConfig, position: DataPosition | dict | None,
-               survivors: ActorGroup | None = None) -> Launched:
+               survivors: ActorGroup | None = None, joined: dict[int, int] | None = None) -> Launched:
         """Ranks set up for `cfg`, restored from the lineage's newest intact state or, if it has
         none, started at `position` (default: the first step); streams started. `survivors`: a
         group whose ranks kept their state in memory (Worker.keep_state) and rejoined: set up
-        for `cfg` and given that state back, at `position`, with no storage read."""
+        for `cfg` and given that state back, at `position`, with no storage read. `joined`: its
+        ranks that just started -> the survivor whose copy each takes (the same part of the
+        model in another replica), sent through Ray's object store."""
         feed = self.feed
         vocab = feed.data.vocab_size
         # The layout against the tokenizer's real vocabulary (config validation may not have known it).
@@ -103,7 +105,7 @@ class Launcher:
 
         infos = set_up()
         if survivors is not None:
-            group.call("restore_kept", timeout_s=r.setup_timeout_s, knob=SETUP_KNOB)
+            restore_survivors(group, joined or {}, r.setup_timeout_s)
             restored = None
         else:
             restored = restore_newest_intact(group, self.lineage.candidates(), set_up, self.say, r.setup_timeout_s)
@@ -113,6 +115,14 @@ class Launcher:
         feed.start_streams(group, lay, cfg, start)
         feed.send_eval_data(group, lay, cfg)
         return Launched(group, cfg, restored, infos, memory)
+
+
+def restore_survivors(group: ActorGroup, joined: dict[int, int], timeout_s: float) -> None:
+    """Every rank's kept state back in place; a joined rank gets its source's copy (asked for
+    before the source restores its own: an actor runs its calls in order)."""
+    copies = {source: group.workers[source].kept_state.remote() for source in set(joined.values())}
+    group.collect([w.restore_kept.remote(copies[joined[rank]]) if rank in joined else w.restore_kept.remote()
+                   for rank, w in enumerate(group.workers)], timeout_s, SETUP_KNOB)
 
 
 def num_params(cfg: RunConfig, vocab_size: int) -> int:

@@ -40,12 +40,12 @@ class Session:
         self._last_collected = 0.0  # when the last step's results came back
         self.queued_early: list[int] = []  # steps queued before the previous one's results were read
 
-    def launch(self, position, survivors: ActorGroup | None = None) -> Checkpoint | None:
+    def launch(self, position, survivors: ActorGroup | None = None, joined: dict | None = None) -> Checkpoint | None:
         """The actors for self.config's layout, brought to the lineage's newest intact state (or
-        to `position` when it has none; see Launcher.launch for `survivors`). Returns the
-        checkpoint restored."""
+        to `position` when it has none; see Launcher.launch for `survivors` and `joined`).
+        Returns the checkpoint restored."""
         self.group, self._ahead = None, None
-        launched = self.launcher.launch(self.config, position, survivors)
+        launched = self.launcher.launch(self.config, position, survivors, joined)
         self.group, self.config = launched.group, launched.config
         self.setup_info, self.memory_estimate = launched.setup_info, launched.memory_estimate
         self._step_constants = self._per_step_constants()
@@ -63,6 +63,10 @@ class Session:
         flops = step_flops(model_args(cfg.model, self.launcher.feed.data.vocab_size), t.global_batch_size, t.seq_len)
         estimate = max(e.model_state_bytes + e.activation_bytes for e in self.memory_estimate)
         return flops, peak_tflops(cfg, self.launcher.device), estimate
+
+    def queued(self) -> bool:
+        """Whether a step is queued on the ranks ahead of the driver (dispatch_ahead)."""
+        return self._ahead is not None
 
     def run_step(self, step: int, next_may_start: bool = False) -> tuple[list, dict]:
         """One optimizer step on every rank: (the ranks' reports, the step's metrics).
@@ -164,6 +168,36 @@ class Session:
             return [n["pid"] for n in group.nodes]
         except BaseException:
             group.shutdown()  # a fault while re-forming: the restart path starts from nothing
+            self.group = None
+            raise
+
+    def has_free_bundles(self) -> bool:
+        return self.group is not None and self.group.placement.has_free()
+
+    def joinable_replicas(self) -> int:
+        """Whole copies of the state that could start now in the group's free bundles."""
+        lay = self.config.parallel.layout
+        return self.group.joinable() // (lay.world_size // lay.state_replicas)
+
+    def join_live(self, replicas: int) -> list[int]:
+        """`replicas` whole copies of the state (more than now) from the next step: new ranks start
+        in free bundles and each takes the copy of the rank in its place of replica 0 (the others
+        keep theirs). No storage read, no step redone. Returns the kept ranks' process ids."""
+        group, r, lay = self.group, self.config.resources, self.config.parallel.layout
+        if self.checkpoints.pending is not None:
+            self.checkpoints.finish(group)
+        per, before = lay.world_size // lay.state_replicas, lay.world_size
+        try:
+            held = set(group.call("keep_state", timeout_s=r.collective_timeout_s, knob="resources.collective_timeout_s"))
+            if held != {self.global_step}:  # never: every rank ran every step; a join must not resume elsewhere
+                raise RuntimeError(f"ranks hold states after steps {sorted(held)}, the run is at {self.global_step}")
+            group.grow((replicas - lay.state_replicas) * per, r.collective_timeout_s, r.rendezvous_timeout_s)
+            self.config = with_replicas(self.config, replicas)
+            self.launch(self.launcher.feed.position(), survivors=group,
+                        joined={rank: rank % per for rank in range(before, group.world_size)})
+            return [n["pid"] for n in group.nodes[:before]]
+        except BaseException:
+            group.shutdown()  # a fault while joining: the restart path starts from nothing
             self.group = None
             raise
 

@@ -2,6 +2,7 @@
 
     RUNNING --failure--> RECOVERING --relaunched--> RUNNING
     RUNNING --checkpoint committed, room to grow--> RESIZING --relaunched--> RUNNING
+    RUNNING --a lost node's bundles placed again--> RESIZING --joined from live peers--> RUNNING
     RECOVERING --a fault while relaunching--> RECOVERING (counted as a new failure)
     RECOVERING --too many failures / no room / no intact state--> FAILED
 
@@ -34,6 +35,7 @@ class ElasticRun(Protocol):
     """What the controller needs of a run."""
 
     config: object
+    group: object  # the live actor group, None once torn down
 
     def abandon_save(self) -> tuple[int | None, Checkpoint | None]: ...
 
@@ -44,6 +46,12 @@ class ElasticRun(Protocol):
     def keep_survivors(self, lost_rank: int | None) -> dict[int, int]: ...
 
     def go_on_with(self, ranks: list[int], replicas: int) -> list[int]: ...
+
+    def joinable_replicas(self) -> int: ...
+
+    def has_free_bundles(self) -> bool: ...
+
+    def join_live(self, replicas: int) -> list[int]: ...
 
     def on_restart(self, event: dict) -> None: ...
 
@@ -69,12 +77,23 @@ class ScalingPolicy:
     """dp after a failure: the largest the live nodes hold now (pp x tp kept, the global batch
     kept); back to the configured dp at a checkpoint once the cluster has room again."""
 
-    def __init__(self, target_dp: int, device: str, reserve_node: str | None, grow_back: bool):
-        self.target_dp, self.device, self.reserve_node, self.grow_back = target_dp, device, reserve_node, grow_back
+    def __init__(self, target, device: str, reserve_node: str | None, grow_back: bool):
+        """`target`: the configured Layout."""
+        self.target_dp, self.target_replicas = target.dp, target.state_replicas
+        self.device, self.reserve_node, self.grow_back = device, reserve_node, grow_back
 
     def after_failure(self, cfg, log) -> tuple[int, float]:
         dp, waited, _ = wait_for_replicas(cfg, self.target_dp, self.device, self.reserve_node, log)
         return dp, waited
+
+    def replicas_to_join(self, cfg, free_replicas: int) -> int | None:
+        """More whole copies of the state than now, up to the configured count, that the free
+        bundles hold and the global batch splits into; None if none."""
+        now = cfg.parallel.layout.state_replicas
+        if not self.grow_back or not free_replicas:
+            return None
+        n = largest_valid_replicas(cfg, min(now + free_replicas, self.target_replicas))
+        return n if n is not None and n > now else None
 
     def grow_to(self, cfg) -> int | None:
         """A larger dp the cluster holds now, or None."""
@@ -120,7 +139,7 @@ class ElasticController:
             in_flight = in_flight or self.run.abandon_save()
             try:
                 event = None
-                if attempts == 1 and self.run.config.elastic.keep_survivors:
+                if attempts == 1 and self.run.config.elastic.keep_survivors and self.run.group is not None:
                     self.say(f"elastic: {lost}; going on with the survivors "
                              f"({len(self.failures)}/{self.failure_policy.max_restarts})")
                     event = self._go_on_with_survivors(first, in_flight)
@@ -155,6 +174,36 @@ class ElasticController:
                                 WorkerLostError(f"while growing: {lost}", None, "placement"))
         event["restart_s"] = time.monotonic() - t0
         return self._done(event)
+
+    def grows_at_checkpoint(self) -> bool:
+        """Whether the run should relaunch larger from the checkpoint due now. Not while the group
+        has free bundles: those are where the lost replicas come back, live (join_if_room)."""
+        return not self.run.has_free_bundles() and self.scaling.grow_to(self.run.config) is not None
+
+    def join_if_room(self, now: bool) -> bool:
+        """Between steps: whole replicas that fit in the group's free bundles again (a lost node
+        came back, or room was made) join and take their state from live peers, not storage.
+        `now`: no step is queued on the ranks. True when replicas wait to join but must not yet
+        (the caller then queues no step ahead, and joins before the next)."""
+        if self.failure_policy.refusal() or not self.run.has_free_bundles():
+            return False
+        n = self.scaling.replicas_to_join(self.run.config, self.run.joinable_replicas())
+        if n is None or not now:
+            return n is not None
+        self._enter(Phase.RESIZING)
+        t0, before = time.monotonic(), self.run.config.parallel.layout.record()
+        try:
+            pids = self.run.join_live(n)
+        except (WorkerLostError, PlacementError) as lost:
+            self._enter(Phase.RUNNING)
+            self.recover(lost if isinstance(lost, WorkerLostError) else
+                         WorkerLostError(f"while joining: {lost}", None, "placement"))
+            return False
+        took = time.monotonic() - t0
+        self._done({**self._event("grow", None, (None, None), before), "recovery": "live join",
+                    "resumed_step": self.run.global_step, "checkpoint": None, "wait_for_resources_s": 0.0,
+                    "relaunch_s": took, "restart_s": took, "pids": pids})
+        return False
 
     def _relaunch(self, reason: str, lost: WorkerLostError | None, in_flight: tuple,
                   dp: int | None = None) -> dict:
@@ -207,11 +256,12 @@ class ElasticController:
         self._enter(Phase.RUNNING)
         self.restarts.append(event)
         steps = (event["failed_step"] - event["resumed_step"]) if event["failed_step"] is not None else 0
+        what = "live join" if event.get("recovery") == "live join" else f"{event['reason']} restart"
         self.say(
-            f"elastic: {event['reason']} restart {len(self.restarts)}: {Layout.from_record(event['layout_before']).text()} -> "
+            f"elastic: {what} {len(self.restarts)}: {Layout.from_record(event['layout_before']).text()} -> "
             f"{Layout.from_record(event['layout_after']).text()}, resumed at step {event['resumed_step']} "
             f"({_resumed_from(event)}), {steps} step(s) to redo, "
-            f"{event['restart_s']:.1f}s to restart")
+            f"{event['restart_s']:.1f}s to {'join' if what == 'live join' else 'restart'}")
         self.run.on_restart(event)
         return event
 
@@ -224,4 +274,6 @@ class ElasticController:
 def _resumed_from(event: dict) -> str:
     if event.get("recovery") == "survivors":
         return "the survivors' state in memory"
+    if event.get("recovery") == "live join":
+        return "the live replicas' state, sent to the new ones"
     return event["checkpoint"] or "no checkpoint: from the start"

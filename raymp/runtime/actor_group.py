@@ -1,4 +1,5 @@
-"""A placement group with one Worker actor per device, joined into one torch process group.
+"""One Worker actor per device, joined into one torch process group; calls on every rank that
+learn at once of a lost one; a group that shrinks to its survivors and grows back.
 
 Kept separate from any one training run so tests (and notebooks) can reuse the same processes
 for several configs of the same world size: actor start-up costs seconds, a re-setup does not.
@@ -9,18 +10,14 @@ from __future__ import annotations
 import time
 
 import ray
-from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raymp.runtime.peer_loss import is_peer_loss
+from raymp.runtime.placement import Placement, PlacementError
 from raymp.runtime.worker import Worker
 
 
 WATCH_PERIOD_S = 1.0  # how often a starting group checks that its nodes are still there
-
-
-class PlacementError(RuntimeError):
-    """The cluster cannot host the layout; the message says what was asked and what is free."""
 
 
 class WorkerLostError(RuntimeError):
@@ -33,9 +30,8 @@ class WorkerLostError(RuntimeError):
 
 
 class ActorGroup:
-    """`tp_size` actors in a row form a tensor-parallel group (ranks are tp-fastest); each such
-    group gets its own STRICT_PACK placement group, so its traffic (an all-reduce per layer)
-    never leaves a node. Pipeline stages and dp replicas may span nodes."""
+    """One Worker actor per rank, in the bundles of raymp.runtime.placement (a TP group on one
+    node), joined into one torch process group."""
 
     def __init__(self, world_size: int, device: str = "cpu", cpus_per_actor: float = 1,
                  placement_timeout_s: float = 120, collective_timeout_s: float = 300,
@@ -46,61 +42,34 @@ class ActorGroup:
         to lose a node at that exact moment."""
         if world_size % tp_size:
             raise ValueError(f"world size {world_size} is not a multiple of the TP size {tp_size}")
-        self.world_size, self.device, self.tp_size = world_size, device, tp_size
-        self.pgs, self.workers = [], []
+        self.world_size, self.device, self.tp_size, self.cpus = world_size, device, tp_size, cpus_per_actor
+        self.workers, self.backend = [], "nccl" if device == "cuda" else "gloo"
+        self.placement = Placement({"CPU": cpus_per_actor, **({"GPU": 1} if device == "cuda" else {})}, tp_size)
+        self._remote_cls = ray.remote(worker_cls)
         try:
-            self._start(cpus_per_actor, placement_timeout_s, collective_timeout_s, worker_cls,
-                        rendezvous_timeout_s, on_event)
+            self.placement.reserve(world_size, placement_timeout_s)
+            if on_event is not None:
+                on_event("placed", {"bundle_nodes": [self.placement.node_of(r) for r in range(world_size)]})
+            self.workers = [self._start_worker(slot) for slot in self.placement.slots]
+            self._join(["init_distributed"] * world_size, collective_timeout_s, rendezvous_timeout_s,
+                       self._check_placement)
         except BaseException:
             self.shutdown()  # a half-built group never outlives its failure: its resources go back
             raise
 
-    def _start(self, cpus_per_actor, placement_timeout_s, collective_timeout_s, worker_cls,
-               rendezvous_timeout_s, on_event) -> None:
-        world_size, tp_size = self.world_size, self.tp_size
-        bundle = {"CPU": cpus_per_actor}
-        if self.device == "cuda":
-            bundle["GPU"] = 1
-        if tp_size > 1:
-            _check_a_node_fits(bundle, tp_size)
-            self.pgs = [
-                placement_group([dict(bundle) for _ in range(tp_size)], strategy="STRICT_PACK")
-                for _ in range(world_size // tp_size)
-            ]
-        else:
-            self.pgs = [placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")]
-        ready, _ = ray.wait([pg.ready() for pg in self.pgs], num_returns=len(self.pgs),
-                            timeout=placement_timeout_s)
-        if len(ready) < len(self.pgs):
-            packed = f" in groups of {tp_size} per node (tensor parallel)" if tp_size > 1 else ""
-            raise PlacementError(
-                f"the cluster could not place {world_size} actors of {bundle}{packed} within "
-                f"{placement_timeout_s:g}s (resources.placement_timeout_s). Free now: "
-                f"{_fmt(ray.available_resources())}; total: {_fmt(ray.cluster_resources())}. "
-                "Lower parallel.dp/pp/tp or resources.cpus_per_actor, or add nodes."
-            )
-        if on_event is not None:
-            on_event("placed", {"bundle_nodes": [self._bundle_node(r) for r in range(world_size)]})
-        threads = max(1, int(cpus_per_actor))
-        remote_cls = ray.remote(worker_cls)
-        self.workers = [
-            remote_cls.options(
-                num_cpus=cpus_per_actor,
-                num_gpus=1 if self.device == "cuda" else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(*self._bundle(i)),
-            ).remote(threads)
-            for i in range(world_size)
-        ]
-        self.backend = "nccl" if self.device == "cuda" else "gloo"
-        self._join("init_distributed", collective_timeout_s, rendezvous_timeout_s, self._check_placement)
+    def _start_worker(self, slot: tuple):
+        return self._remote_cls.options(
+            num_cpus=self.cpus, num_gpus=1 if self.device == "cuda" else 0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(*slot),
+        ).remote(max(1, int(self.cpus)))
 
-    def _join(self, method: str, collective_timeout_s: float, rendezvous_timeout_s: float, watch=None) -> None:
-        """Form the process group of self.workers, in order: rank 0's address, then `method`
-        (init_distributed for new actors, rejoin for survivors) on every rank, then where each is."""
+    def _join(self, methods: list[str], collective_timeout_s: float, rendezvous_timeout_s: float, watch=None) -> None:
+        """Form the process group of self.workers, in order: rank 0's address, then each rank's
+        method (init_distributed for new actors, rejoin for survivors), then where each is."""
         knob, deadline = "resources.rendezvous_timeout_s", _deadline(rendezvous_timeout_s)
         addr, port = self._gather([self.workers[0].rendezvous_address.remote()], deadline, knob, watch)[0]
-        self._gather([getattr(w, method).remote(rank, len(self.workers), addr, port, self.backend, collective_timeout_s)
-                      for rank, w in enumerate(self.workers)], deadline, knob, watch)
+        self._gather([getattr(w, m).remote(rank, len(self.workers), addr, port, self.backend, collective_timeout_s)
+                      for rank, (w, m) in enumerate(zip(self.workers, methods))], deadline, knob, watch)
         self.nodes = self._gather([w.node_info.remote() for w in self.workers], deadline, knob, watch)
         self.node_ids = sorted({n["node_id"] for n in self.nodes})
 
@@ -140,31 +109,37 @@ class ActorGroup:
     def shrink_to(self, ranks: list[int], collective_timeout_s: float, rendezvous_timeout_s: float) -> None:
         """Go on with the actors of `ranks` only, in that order: the others are killed, the kept
         ones join a new process group among themselves, keeping their processes and memory.
-        (The placement groups stay: a lost node's bundle waits to be re-placed by Ray, and
-        shutdown() gives everything back.)"""
+        (The placement groups stay: a lost node's bundle waits to be re-placed by Ray, where
+        grow() can start a rank again.)"""
         self.let_go(r for r in range(len(self.workers)) if r not in ranks)
         self.workers = [self.workers[r] for r in ranks]
+        self.placement.keep(ranks)
         self.world_size = len(ranks)
-        self._join("rejoin", collective_timeout_s, rendezvous_timeout_s)
+        self._join(["rejoin"] * len(ranks), collective_timeout_s, rendezvous_timeout_s)
+
+    def joinable(self) -> int:
+        """How many ranks grow() can start now (free bundles on live nodes)."""
+        return len(self.placement.free()) if self.placement.has_free() else 0
+
+    def grow(self, count: int, collective_timeout_s: float, rendezvous_timeout_s: float) -> None:
+        """`count` new ranks after the current ones, started in free bundles; all join one new
+        process group, the current ranks keeping their processes and memory (rejoin)."""
+        slots = self.placement.free()[:count]
+        if len(slots) < count:
+            raise PlacementError(f"{count} ranks cannot join: {len(slots)} free bundles are placed")
+        self.placement.slots += slots
+        self.workers += [self._start_worker(slot) for slot in slots]
+        old, self.world_size = self.world_size, len(self.workers)
+        self._join(["rejoin"] * old + ["init_distributed"] * count, collective_timeout_s, rendezvous_timeout_s,
+                   self._check_placement)
 
     def _check_placement(self) -> None:
         """Raise at once if a node holding one of our bundles was lost while the group starts: an
         actor not yet started there would wait for Ray to re-place its bundle, and the peers that
         did start would wait for it in the rendezvous until the timeout."""
-        for pg in self.pgs:
-            if placement_group_table(pg).get("state") == "RESCHEDULING":
-                raise WorkerLostError("a node holding part of the new actor group was lost while it "
-                                      "started (its placement group is being re-placed)", None, "died")
-
-    def _bundle_node(self, rank: int) -> str | None:
-        pg, index = self._bundle(rank)
-        return placement_group_table(pg).get("bundles_to_node_id", {}).get(index)
-
-    def _bundle(self, rank: int):
-        """(placement group, bundle index) of a rank."""
-        if self.tp_size > 1:
-            return self.pgs[rank // self.tp_size], rank % self.tp_size
-        return self.pgs[0], rank
+        if self.placement.rescheduling():
+            raise WorkerLostError("a node holding part of the new actor group was lost while it "
+                                  "started (its placement group is being re-placed)", None, "died")
 
     def call(self, method: str, *args, timeout_s: float | None = None, knob: str = "elastic.step_timeout_s",
              **kwargs) -> list:
@@ -231,12 +206,8 @@ class ActorGroup:
                 ray.kill(w)
             except Exception:  # already gone with its node
                 pass
-        for pg in self.pgs:
-            try:
-                remove_placement_group(pg)
-            except Exception:
-                pass
-        self.workers, self.pgs = [], []
+        self.placement.release()
+        self.workers = []
 
     def check_tp_groups_share_nodes(self, tp: int) -> None:
         """For a group made without tp packing (e.g. shared across configs): its TP groups must
@@ -252,22 +223,3 @@ class ActorGroup:
 
 def _deadline(timeout_s: float | None) -> float | None:
     return None if timeout_s is None else time.monotonic() + timeout_s
-
-
-def _check_a_node_fits(bundle: dict, tp_size: int) -> None:
-    """Fail at once, not after the placement timeout, if no node could ever hold a TP group."""
-    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-    need = {k: v * tp_size for k, v in bundle.items()}
-    if any(all(res.get(k, 0) >= v for k, v in need.items()) for res in nodes):
-        return
-    largest = max(nodes, key=lambda r: tuple(r.get(k, 0) for k in need), default={})
-    raise PlacementError(
-        f"a tensor-parallel group of {tp_size} actors must fit on one node ({_fmt(need)}), but "
-        f"the largest node has {_fmt(largest) if largest else 'nothing'}; lower parallel.tp "
-        f"(and raise parallel.dp or parallel.pp), or use larger nodes"
-    )
-
-
-def _fmt(res: dict) -> str:
-    keys = [k for k in ("CPU", "GPU", "memory") if k in res]
-    return ", ".join(f"{k}={res[k]:g}" for k in keys) or "nothing"

@@ -102,9 +102,14 @@ class Worker:
         self._meshes, self.broken = {}, False
         self.init_distributed(rank, world_size, addr, port, backend, timeout_s)
 
-    def restore_kept(self) -> None:
-        """After set-up in the new layout: the state keep_state() copied, back in place."""
-        load_host_state(self._kept, self.program, self.engine, self.scheduler)
+    def kept_state(self) -> dict:
+        """keep_state()'s copy, for a rank joining in the same place of another replica."""
+        return self._kept
+
+    def restore_kept(self, peer_state: dict | None = None) -> None:
+        """After set-up in the new layout: the state keep_state() copied, back in place; on a
+        rank that joined, the copy of the live peer that holds the same part (kept_state)."""
+        load_host_state(self._kept if peer_state is None else peer_state, self.program, self.engine, self.scheduler)
         self._kept = None
 
     def _mesh(self, dims):
@@ -218,9 +223,8 @@ class Worker:
         return None if not losses or losses[0] is None else sum(losses) / len(losses)
 
     def gradients(self, tokens: np.ndarray | None) -> dict | None:
-        """Forward and backward only, no update: the full gradient of every parameter this rank's
-        stages hold, by name (every rank must call; dp/tp rank 0 of each stage returns). For
-        tests that pin down a missing or wrong gradient, not just a diverging loss."""
+        """Forward and backward only: the full gradient of each parameter of this rank's stages, by
+        name (all ranks call; dp/tp rank 0 of each stage returns), to pin a wrong gradient down."""
         self.program.forward_backward(tokens)
         grads = {}
         for module in self.engine.modules:
