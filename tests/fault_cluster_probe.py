@@ -134,6 +134,7 @@ class Run:
         out = {"history": [{"step": m["step"], "loss": m["loss"], "dp": m["dp"], "finished_at": m["finished_at"],
                             "sample_ids": m["sample_ids"].tolist()} for m in t.history],
                "restarts": t.restarts, "failures": t.failures,
+               "pids_after": [n["pid"] for n in t.group.nodes] if t.group else None,
                "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}"}
         t.close()
         return out
@@ -264,6 +265,30 @@ def _grow_back(probe, root):
     run_id, uri = run.trainer.tracker.run_id, run.trainer.tracker.uri
     result = run.finish()
     return {**result, "mlflow": mlflow_record(uri, run_id)}
+
+
+@scenario("node loss, survivors keep their state, the node returns and joins from a live peer, dp2 -> dp1 -> dp2")
+def _join_back(probe, root):
+    """The run waits (on_event, after a step) until the node is back and Ray has placed the lost
+    bundle there again; the next step starts with the join."""
+    probe.reset(2, 2)
+    back, state = threading.Event(), {}
+
+    def on_event(name, info):
+        t = state["run"].trainer if name == "step" else None
+        if t is not None and t.restarts and not back.is_set():
+            back.wait(BOUND_S)
+            wait_until(lambda: len(t.restarts) > 1 or t.group.joinable() > 0, "the lost bundle placed again")
+
+    run = state["run"] = Run(cfg_for(root, probe.cache, parallel={"zero": 0, "micro_batch_size": 1},
+                                     elastic={"keep_survivors": True}), on_event=on_event)
+    run.after_steps(3, committed=2)
+    pids = [n["pid"] for n in run.trainer.group.nodes]
+    probe.remove(run.node_of_rank(1))
+    wait_until(lambda: run.trainer.restarts or not run.thread.is_alive(), "the survivors going on")
+    probe.add(2)
+    back.set()
+    return {**run.finish(), "pids_before": pids}
 
 
 def mlflow_record(uri: str, run_id: str) -> dict:

@@ -107,6 +107,22 @@ def test_node_loss_survivors_keep_their_state(results, refs, name, kept):
     assert restart_layouts(r) == [("failure", 2 * kept, kept)]
 
 
+def test_the_returning_node_joins_from_a_live_peer(results, refs):
+    """The survivor goes on alone; once the node is back, a new rank starts in the lost rank's
+    re-placed bundle and takes its state from the survivor's memory: no checkpoint read, no
+    step redone, the survivor's process the same throughout."""
+    r = finished(results, "node loss, survivors keep their state, the node returns and joins from a live peer, "
+                 "dp2 -> dp1 -> dp2", refs(parallel={"micro_batch_size": 1}))
+    survived, joined = r["restarts"]
+    assert (survived["recovery"], joined["recovery"]) == ("survivors", "live join")
+    assert survived["checkpoint"] is None and joined["checkpoint"] is None
+    assert survived["resumed_step"] == survived["failed_step"] and joined["failed_step"] is None
+    assert restart_layouts(r) == [("failure", 2, 1), ("grow", 1, 2)]
+    assert survived["pids"] == joined["pids"] == r["pids_after"][:1] and joined["pids"][0] in r["pids_before"]
+    assert r["pids_after"][1] not in r["pids_before"]
+    assert [m["dp"] for m in r["history"]][-1] == 2
+
+
 def test_node_loss_before_the_first_checkpoint_starts_over(results, refs):
     r = finished(results, "node loss before the first checkpoint", refs())
     assert r["restarts"][0]["resumed_step"] == 0 and r["restarts"][0]["checkpoint"] is None
