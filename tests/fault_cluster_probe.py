@@ -291,6 +291,13 @@ def _join_back(probe, root):
     return {**run.finish(), "pids_before": pids}
 
 
+@scenario("node loss with a spare node, survivors keep their state, a replacement joins from a live peer, dp2")
+def _replacement(probe, root):
+    """Three nodes for two ranks: Ray re-places the lost rank's bundle on the spare node at once,
+    and the missing replica starts there (from the survivor's memory) before a next step."""
+    return node_loss(probe, root, nodes=3, parallel={"micro_batch_size": 1}, elastic={"keep_survivors": True})
+
+
 def mlflow_record(uri: str, run_id: str) -> dict:
     """What the MLflow run shows: its status and tags, every logged loss step, the events."""
     from mlflow.tracking import MlflowClient

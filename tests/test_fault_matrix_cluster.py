@@ -123,6 +123,16 @@ def test_the_returning_node_joins_from_a_live_peer(results, refs):
     assert [m["dp"] for m in r["history"]][-1] == 2
 
 
+def test_a_replacement_on_a_spare_node_joins_from_a_live_peer(results, refs):
+    r = finished(results, "node loss with a spare node, survivors keep their state, a replacement joins from a "
+                 "live peer, dp2", refs(parallel={"micro_batch_size": 1}))
+    survived, joined = r["restarts"]
+    assert (survived["recovery"], joined["recovery"]) == ("survivors", "live join")
+    assert survived["checkpoint"] is None and joined["checkpoint"] is None
+    assert restart_layouts(r) == [("failure", 2, 1), ("grow", 1, 2)]
+    assert r["pids_after"][0] in r["pids_before"] and r["pids_after"][1] not in r["pids_before"]
+
+
 def test_node_loss_before_the_first_checkpoint_starts_over(results, refs):
     r = finished(results, "node loss before the first checkpoint", refs())
     assert r["restarts"][0]["resumed_step"] == 0 and r["restarts"][0]["checkpoint"] is None
