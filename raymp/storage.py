@@ -35,12 +35,17 @@ def join(location: str | os.PathLike, *parts: str) -> str:
     return str(Path(location).expanduser().joinpath(*parts))
 
 
+def absolute(location: str | os.PathLike) -> str:
+    """A URI as it is; a path with ~ expanded, made absolute (the same on every node that shares it)."""
+    return str(location) if is_uri(location) else str(Path(location).expanduser().resolve())
+
+
 def fsspec_fs(location: str | os.PathLike):
     """(fsspec filesystem, path inside it): what DCP's fsspec reader and writer use."""
     import fsspec
 
     if not is_uri(location):
-        return fsspec.filesystem("file"), str(Path(location).expanduser().resolve())
+        return fsspec.filesystem("file"), absolute(location)
     return fsspec.core.url_to_fs(str(location))
 
 
@@ -48,7 +53,7 @@ def arrow_fs(location: str | os.PathLike):
     """(pyarrow filesystem, path inside it): what Ray Data reads and writes through. pyarrow's own
     filesystems where it has one (s3, gs, hdfs), any other scheme through fsspec."""
     if not is_uri(location):
-        return pafs.LocalFileSystem(), str(Path(location).expanduser().resolve())
+        return pafs.LocalFileSystem(), absolute(location)
     try:
         return pafs.FileSystem.from_uri(str(location))
     except (ValueError, NotImplementedError):  # ArrowInvalid / ArrowNotImplementedError: unknown scheme
@@ -114,10 +119,10 @@ def default_tracking_uri(output_dir: str) -> str:
     when output_dir is a URI (a database file cannot live in an object store)."""
     if is_uri(output_dir):
         raise ValueError(NEEDS_A_TRACKING_SERVER.format(location=output_dir))
-    return f"sqlite:///{Path(output_dir).expanduser().resolve() / 'mlflow.db'}"
+    return f"sqlite:///{Path(absolute(output_dir)) / 'mlflow.db'}"
 
 
 def local_artifact_root(output_dir: str) -> str:
     """Where the embedded store keeps artifacts: beside its database (MLflow's default, ./mlruns
     in the current directory, would scatter a run's data; docs/design.md)."""
-    return (Path(output_dir).expanduser().resolve() / "mlartifacts").as_uri()
+    return (Path(absolute(output_dir)) / "mlartifacts").as_uri()

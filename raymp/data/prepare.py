@@ -25,7 +25,7 @@ from raymp.data.corpus import DataError, Skip, Source, parse_file, resolve_sourc
 from raymp.data.ray_context import local_node_if_local_path, offers_no_cpu, on_node, ordered_context
 from raymp.data.tokenizers import get_tokenizer
 from raymp.runtime.cluster import connect
-from raymp.storage import arrow_fs, is_uri, join
+from raymp.storage import absolute, arrow_fs, join
 
 MANIFEST = "manifest.json"
 FORMAT = "raymp-packed-v1"
@@ -53,8 +53,7 @@ def prepare(source_name: str, *, tokenizer: str, seq_len: int, cache_dir: str, t
     """Prepare `source_name` (or find it already prepared). Returns (dataset root, manifest)."""
     source = resolve_source(source_name)
     tok = get_tokenizer(tokenizer)
-    root = join(cache_dir if is_uri(cache_dir) else os.path.abspath(os.path.expanduser(cache_dir)),
-                cache_key(source, tok.name, seq_len))
+    root = join(absolute(cache_dir), cache_key(source, tok.name, seq_len))
     manifest = read_manifest(root)
     if manifest is not None:
         return root, manifest

@@ -38,9 +38,7 @@ def _in_a_jobs_working_dir_copy(path: str) -> bool:
     """Whether `path` lands in the copy of a `ray job submit --working-dir` that Ray unpacks for
     the job (<session>/runtime_resources/working_dir_files/...) and removes after it: a relative
     path in a submitted job's entrypoint does. Every such copy lives under that directory."""
-    if storage.is_uri(path):
-        return False
-    return "runtime_resources" in Path(path).expanduser().resolve().parts
+    return not storage.is_uri(path) and "runtime_resources" in Path(storage.absolute(path)).parts
 
 
 @contextmanager
