@@ -103,6 +103,13 @@ class RankEstimate:
         return self.model_state_bytes + self.activation_bytes + self.buffer_bytes
 
 
+def peer_copy_bytes(estimate: RankEstimate) -> float:
+    """Host memory (Ray's object store) elastic.peer_copy_every costs per rank: its part of the
+    state (parameters and optimizer state) on its node and a peer's part there too, each twice
+    while a newer copy is taken (the older one is dropped once the newer is whole)."""
+    return 4 * (estimate.params_bytes + estimate.optimizer_bytes)
+
+
 def _model_state(psi: float, zero: int, dp: int, bf16: bool) -> tuple[float, float, float, float]:
     """raymp's own ZeRO per rank (fp32 master weights and AdamW state throughout):
     (params, grads, optimizer, full working copy that FSDP2 holds through the step under ZeRO-2)."""

@@ -29,6 +29,7 @@ from raymp.driver.session import Session
 from raymp.driver.summary import describe, memory_rows, summary
 from raymp.driver.tracking_hooks import NoTracking, RunTracking
 from raymp.elastic.controller import ElasticController, FailurePolicy, ScalingPolicy
+from raymp.elastic.peer_copies import PeerCopies
 from raymp.progress import StepProgress
 from raymp.runtime.actor_group import ActorGroup, WorkerLostError
 from raymp.runtime.cluster import connect, resolve_device
@@ -72,13 +73,11 @@ class Trainer:
 
     @property
     def failures(self) -> list[dict]:
-        """Every lost rank, in order (faults while recovering included)."""
-        return self.elastic.failures if self.elastic else []
+        return self.elastic.failures if self.elastic else []  # every lost rank, in order (while recovering too)
 
     @property
     def restarts(self) -> list[dict]:
-        """Every restart (after a failure, or growing back), as its event."""
-        return self.elastic.restarts if self.elastic else []
+        return self.elastic.restarts if self.elastic else []  # every restart (failure, growing back) as its event
 
     # -- set-up -------------------------------------------------------------------------------
 
@@ -96,7 +95,8 @@ class Trainer:
             self.lineage = open_lineage(cfg, self.run_dir, self._log, self._resume_position)
             say = lambda *a: self._say(*a)  # noqa: E731 (fit() moves the printing to its progress bar)
             launcher = Launcher(self.feed, self.lineage, self.device, say, shared_group=self._shared_group,
-                                worker_cls=self._worker_cls)
+                                worker_cls=self._worker_cls,
+                                peer_copies=PeerCopies(cfg.elastic.peer_copy_every, cfg.resources, say))
             launcher.on_event = lambda name, info: self.on_event(name, info) if self.on_event else None
             self.session = Session(cfg, launcher, say, self.run_name, self.tracking, self._restarted)
             self.elastic = ElasticController(
@@ -263,7 +263,8 @@ class Trainer:
     def describe(self) -> str:
         self.setup()
         return describe(self.run_name, self.config, self.num_params, self.data.manifest, self.device,
-                        self.group.backend, self.config.parallel.stage_layers, self.run_dir, self.lineage.store.root)
+                        self.group.backend, self.config.parallel.stage_layers, self.run_dir, self.lineage.store.root,
+                        self.session.memory_estimate)
 
     def summary(self) -> str:
         return summary(self.history, self.feed, self.data.manifest, self.tracking, self.config.train.compile)

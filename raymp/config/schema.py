@@ -274,6 +274,10 @@ class ElasticConfig(_Strict):
         False, description="after a loss, the surviving actors keep their state in memory and go on "
         "from the failed step (no restart, no checkpoint read, no step redone) where whole copies of the "
         "state survive; needs parallel.zero=0 (each dp replica holds it) or HSDP (parallel.dp_replicate >= 2)")
+    peer_copy_every: int = Field(
+        0, ge=0, description="every this many steps, each rank's part of the state is kept in Ray's object "
+        "store on its node and on another; a restart loads it instead of the disk checkpoint when it is as new "
+        "and a copy of every part survives (redundancy for what one rank alone holds: ZeRO shards, stages); 0: off")
     survivor_grace_s: float = Field(
         10, gt=0, description="keep_survivors: once one survivor has ended its failed step, how long "
         "the others get; one still waiting then (gloo does not always wake a rank whose peer is gone) "

@@ -14,6 +14,7 @@ from raymp.config import ConfigError, RunConfig, config_from_dict, load_config
 from raymp.config.rules import vocab_too_small
 from raymp.data import DataPosition
 from raymp.driver.feed import DataFeed
+from raymp.elastic.peer_copies import PeerCopies
 from raymp.models import model_args, model_spec
 from raymp.models.masks import document_eot
 from raymp.models.shape import model_shape
@@ -59,9 +60,10 @@ class Launcher:
     """Builds (or reuses) the actor group for a layout and brings it to the run's state."""
 
     def __init__(self, feed: DataFeed, lineage, device: str, say, *, shared_group: ActorGroup | None = None,
-                 worker_cls: type | None = None):
+                 worker_cls: type | None = None, peer_copies: PeerCopies | None = None):
         self.feed, self.lineage, self.device, self.say = feed, lineage, device, say
         self.shared_group, self.worker_cls = shared_group, worker_cls
+        self.peer_copies = peer_copies or PeerCopies(0, None, say)  # elastic.peer_copy_every
         self.on_event = None  # Trainer.on_event, for "placed"
 
     def group_for(self, cfg: RunConfig) -> ActorGroup:
@@ -108,7 +110,9 @@ class Launcher:
             restore_survivors(group, joined or {}, r.setup_timeout_s)
             restored = None
         else:
-            restored = restore_newest_intact(group, self.lineage.candidates(), set_up, self.say, r.setup_timeout_s)
+            on_disk = self.lineage.candidates()
+            restored = (self.peer_copies.restore(group, on_disk[0].step if on_disk else None, set_up)
+                        or restore_newest_intact(group, on_disk, set_up, self.say, r.setup_timeout_s))
         if restored is not None:
             position = restored.data_position
         start = feed.checked(position, cfg.train.steps) if position is not None else feed.first_position()

@@ -65,8 +65,7 @@ class Session:
         return flops, peak_tflops(cfg, self.launcher.device), estimate
 
     def queued(self) -> bool:
-        """Whether a step is queued on the ranks ahead of the driver (dispatch_ahead)."""
-        return self._ahead is not None
+        return self._ahead is not None  # a step queued on the ranks ahead of the driver (dispatch_ahead)
 
     def run_step(self, step: int, next_may_start: bool = False) -> tuple[list, dict]:
         """One optimizer step on every rank: (the ranks' reports, the step's metrics).
@@ -77,7 +76,7 @@ class Session:
         cfg = self.config
         ahead, self._ahead = self._ahead, None
         pending = ahead if ahead is not None and ahead[0] == step else self._dispatch(step)
-        if next_may_start and not self.checkpoints.due(step + 1, cfg.train.steps):
+        if next_may_start and not (self.checkpoints.due(step + 1, cfg.train.steps) or self.launcher.peer_copies.due(step + 1)):
             self._ahead = self._dispatch(step + 1)
             self.queued_early.append(step + 1)
         _, refs, dispatched = pending
@@ -97,8 +96,7 @@ class Session:
         return step, self.group.submit("train_step", step), time.perf_counter()
 
     def evaluate(self) -> float:
-        losses = [x for x in self.group.call("evaluate") if x is not None]
-        return sum(losses) / len(losses)
+        return sum(losses := [x for x in self.group.call("evaluate") if x is not None]) / len(losses)
 
     def state_dict(self) -> dict:
         merged = {}
@@ -219,6 +217,8 @@ class Session:
         run should grow back now: it wants to (`wants_to_grow()`) and that save just committed."""
         started = self.checkpoints.after_step(self.group, [r.checkpoint for r in reports], steps_done,
                                               self.config.train.steps, self.checkpoint_meta, metrics)
+        if self.launcher.peer_copies.due(steps_done) and self.checkpoints.pending is None:  # none in flight
+            self.launcher.peer_copies.take(self.group, steps_done, self.launcher.feed.position().to_dict())
         if not (started and self.launcher.shared_group is None and wants_to_grow()):
             return False
         if (grown_from := self.checkpoints.finish(self.group)) is None:

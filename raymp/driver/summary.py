@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from raymp.config import RunConfig
 from raymp.layout import Layout
+from raymp.planner import peer_copy_bytes
 from raymp.runtime.report import RankReport
 
 MEMORY_KEYS = ("rank", "param_bytes", "grad_bytes", "optim_bytes", "activation_peak_bytes",
@@ -12,11 +13,16 @@ MEMORY_KEYS = ("rank", "param_bytes", "grad_bytes", "optim_bytes", "activation_p
 
 
 def describe(run_name: str, cfg: RunConfig, num_params: int, manifest: dict, device: str, backend: str,
-             stage_layers: list[list[int]] | None, run_dir: str, checkpoint_dir: str) -> str:
+             stage_layers: list[list[int]] | None, run_dir: str, checkpoint_dir: str, estimates: list) -> str:
+    """The run's first lines. `estimates`: the planner's RankEstimate per pipeline stage."""
     lay, t = cfg.parallel.layout, cfg.train
     pipeline = ""
     if lay.pp > 1:
         pipeline = f"; pipeline {lay.schedule}, {lay.num_stages} stages, layers {[len(s) for s in stage_layers]}"
+    copies = ""
+    if every := cfg.elastic.peer_copy_every:
+        copies = (f"\npeer copies every {every} steps (elastic.peer_copy_every): up to "
+                  f"{max(peer_copy_bytes(e) for e in estimates) / 2**20:,.1f} MiB of Ray's object store per rank")
     return (
         f"raymp run {run_name}: {num_params / 1e6:.2f}M params, "
         f"data {manifest['source']!r} ({manifest['samples']:,} samples, {manifest['tokenizer']} tokens), "
@@ -25,6 +31,7 @@ def describe(run_name: str, cfg: RunConfig, num_params: int, manifest: dict, dev
         f"= {lay.micro_batches(t.global_batch_size)} micro-batch(es) of {lay.micro_batch_size} per replica; "
         f"precision {cfg.precision}{pipeline}\n"
         f"kept in {run_dir} (config.yaml), checkpoints in {checkpoint_dir}, prepared data in {cfg.data.cache_dir}"
+        f"{copies}"
     )
 
 

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from raymp.checkpoint.store import Checkpoint, CheckpointError
 from raymp.elastic.capacity import ElasticError, capacity, largest_valid_dp, largest_valid_replicas, wait_for_replicas
+from raymp.elastic.peer_copies import PEER_MEMORY
 from raymp.layout import Layout
 from raymp.runtime.actor_group import PlacementError, WorkerLostError
 
@@ -276,4 +277,6 @@ def _resumed_from(event: dict) -> str:
         return "the survivors' state in memory"
     if event.get("recovery") == "live join":
         return "the live replicas' state, sent to the new ones"
+    if event["checkpoint"] == PEER_MEMORY:
+        return "the peer copy in Ray's object store, no storage read"
     return event["checkpoint"] or "no checkpoint: from the start"

@@ -5,6 +5,9 @@ the scale benchmark's per-actor cap."""
 from __future__ import annotations
 
 import ctypes
+import resource
+
+import torch
 
 
 def status_kib(field: str) -> int:
@@ -28,6 +31,13 @@ def reset_peak_rss() -> int | None:
 
 def peak_rss() -> int:
     return status_kib("VmHWM") * 1024
+
+
+def peak_memory(device: torch.device) -> int:
+    """The step report's peak: CUDA's allocator peak on a GPU, else this process's peak RSS."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
 def return_large_buffers_to_os() -> None:

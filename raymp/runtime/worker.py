@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import resource
 import socket
 import time
 from datetime import timedelta
@@ -17,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from raymp.checkpoint.in_memory import load_from_bytes, save_to_bytes
 from raymp.checkpoint.integrity import verify_files
 from raymp.checkpoint.rank_state import RankCheckpointer, host_state, load_host_state
 from raymp.checkpoint.rank_state import clean_name as _clean
@@ -25,7 +25,7 @@ from raymp.layout import device_mesh
 from raymp.models import model_spec
 from raymp.optim import build_scheduler
 from raymp.runtime.peer_loss import is_peer_loss, leave_process_groups
-from raymp.runtime.process_memory import peak_rss, reset_peak_rss, return_large_buffers_to_os
+from raymp.runtime.process_memory import peak_memory, peak_rss, reset_peak_rss, return_large_buffers_to_os
 from raymp.runtime.report import RankReport
 from raymp.runtime.steps import LocalStep, PipelineStep
 
@@ -53,14 +53,8 @@ class Worker:
     # -- placement and rendezvous ---------------------------------------------------------
 
     def node_info(self) -> dict:
-        ctx = ray.get_runtime_context()
-        return {
-            "node_id": ctx.get_node_id(),
-            "node_ip": ray.util.get_node_ip_address(),
-            "pid": os.getpid(),
-            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-            "threads": self.num_threads,
-        }
+        return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
+                "pid": os.getpid(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "threads": self.num_threads}
 
     def rendezvous_address(self) -> tuple[str, int]:
         with socket.socket() as s:
@@ -103,8 +97,7 @@ class Worker:
         self.init_distributed(rank, world_size, addr, port, backend, timeout_s)
 
     def kept_state(self) -> dict:
-        """keep_state()'s copy, for a rank joining in the same place of another replica."""
-        return self._kept
+        return self._kept  # keep_state()'s copy, for a rank joining in its place of another replica
 
     def restore_kept(self, peer_state: dict | None = None) -> None:
         """After set-up in the new layout: the state keep_state() copied, back in place; on a
@@ -165,8 +158,7 @@ class Worker:
         self.stream = None if spec is None else ReplicaStream(spec, steps, cpus, prefetch_batches)
 
     def set_eval_data(self, batches: list[np.ndarray]) -> None:
-        """This replica's share of each held-out validation batch (None on stages that take
-        activations instead of tokens; the list's length is the number of batches on every rank)."""
+        """This replica's share of each held-out validation batch (None where activations come in)."""
         self.eval_tokens = batches
 
     # -- the step ---------------------------------------------------------------------------
@@ -215,7 +207,7 @@ class Worker:
         self.engine.after_optimizer_step()
         return RankReport(rank=self.rank, **out, sample_ids=sample_ids, data_wait_s=data_wait,
                           grad_norm=grad_norm, lr=lr, compute_s=time.perf_counter() - t0,
-                          peak_mem_bytes=self._peak_memory(), checkpoint=self.checkpointer.poll(), **state)
+                          peak_mem_bytes=peak_memory(self.device), checkpoint=self.checkpointer.poll(), **state)
 
     def evaluate(self) -> float | None:
         """Mean validation loss over the held-out batches (last stages return it)."""
@@ -239,11 +231,6 @@ class Worker:
         self.engine.after_optimizer_step()
         return grads if self._holds_stage_copy() else None
 
-    def _peak_memory(self) -> int:
-        if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-
     # -- checkpoints --------------------------------------------------------------------------
 
     def save_checkpoint(self, path: str, step: int, async_save: bool) -> dict:
@@ -251,8 +238,7 @@ class Worker:
         return self.checkpointer.save(path, step, self.program, self.engine, self.scheduler, async_save)
 
     def wait_checkpoint(self, timeout_s: float | None = None) -> dict | None:
-        """Finish the save in flight; {"step", "error", "files"} of it, None if there was none,
-        {"step", "timeout": True} if it is still writing after timeout_s."""
+        """Finish the save in flight (RankCheckpointer.wait)."""
         return self.checkpointer.wait(timeout_s)
 
     def verify_checkpoint(self, path: str, files: dict[str, str]) -> list[str]:
@@ -262,6 +248,16 @@ class Worker:
     def load_checkpoint(self, path: str) -> dict:
         """Load a checkpoint written under any layout into this rank's freshly set-up state."""
         return self.checkpointer.load(path, self.program, self.engine, self.scheduler)
+
+    @ray.method(num_returns=2)
+    def save_peer_copy(self) -> tuple[int, dict[str, bytes]]:
+        """(optimizer steps held, this rank's part of a checkpoint as bytes): the driver keeps the
+        bytes in Ray's object store, a copy on another node (elastic.peer_copy_every)."""
+        return self.scheduler.last_epoch, save_to_bytes(self.checkpointer, self.program, self.engine, self.scheduler)
+
+    def load_peer_copy(self, *parts: dict[str, bytes]) -> dict:
+        """Load every rank's save_peer_copy() parts (written under any layout) into this rank."""
+        return load_from_bytes(self.checkpointer, parts, self.program, self.engine, self.scheduler)
 
     # -- inspection -------------------------------------------------------------------------
 

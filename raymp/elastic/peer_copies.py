@@ -1,0 +1,112 @@
+"""In-memory redundancy (elastic.peer_copy_every): every k steps each rank's part of a checkpoint
+is kept in Ray's object store twice, on its own node and on another, so the loss of a node costs
+no read from storage: a restart loads the newest peer copy that still has every part, and falls
+back to the disk checkpoint only when both copies of some part are gone (or the disk one is newer).
+
+What only one rank holds (a ZeRO shard, a pipeline stage, a TP shard) is what this protects:
+keep_survivors needs a second whole copy of the state in the layout itself, this makes one.
+The driver owns the objects (an object dies with its owner, and a rank may be lost), so a rank
+returns its part from a call, and a zero-CPU task pinned to the other node returns it again
+there. The parts are DCP files (raymp.checkpoint.in_memory), so a copy loads into any layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raymp.checkpoint.restore import SETUP_KNOB
+from raymp.checkpoint.store import Checkpoint
+
+PEER_MEMORY = "peer memory"  # where a restart's state came from (its event's "checkpoint"), for a peer copy
+
+
+
+@ray.remote(num_cpus=0)
+def _second_copy(part: dict) -> dict:
+    return part  # the return value is stored on the node this task runs on
+
+
+@dataclass
+class PeerCopy:
+    """The state after `step` steps: per rank of the layout that took it, its part on its own
+    node and, once `copies` are ready, on `copy_nodes` (another node where there is one)."""
+
+    step: int
+    position: dict
+    parts: list
+    nodes: list[str]
+    copies: list
+    copy_nodes: list[str]
+
+    def sources(self, alive: set[str]) -> list | None:
+        """One live reference per part (its own node's, else the other node's ready copy); None
+        when some part has no copy left."""
+        ready = set(ray.wait(self.copies, num_returns=len(self.copies), timeout=0, fetch_local=False)[0])
+        return choose_sources(self.parts, self.nodes, self.copies, self.copy_nodes, ready, alive)
+
+
+def choose_sources(parts, nodes, copies, copy_nodes, ready, alive: set[str]) -> list | None:
+    chosen = []
+    for part, node, copy, copy_node in zip(parts, nodes, copies, copy_nodes):
+        if node in alive:
+            chosen.append(part)
+        elif copy in ready and copy_node in alive:
+            chosen.append(copy)
+        else:
+            return None
+    return chosen
+
+
+def other_node(node: str, nodes: list[str]) -> str:
+    """The next node after `node` among the group's nodes (itself when it is the only one)."""
+    ring = sorted(set(nodes))
+    return ring[(ring.index(node) + 1) % len(ring)]
+
+
+class PeerCopies:
+    def __init__(self, every: int, resources, say):
+        """`resources`: the config's section (a take waits collective_timeout_s, a load setup_timeout_s)."""
+        self.every, self.resources, self.say = every, resources, say
+        self.kept: list[PeerCopy] = []  # the last two, newest last (the newest may not be whole yet)
+
+    def due(self, steps_done: int) -> bool:
+        return self.every > 0 and steps_done > 0 and steps_done % self.every == 0
+
+    def take(self, group, steps_done: int, position: dict) -> None:
+        """Every rank's part of the state after `steps_done` steps (called between steps, with
+        no checkpoint save in flight on the ranks)."""
+        calls = [w.save_peer_copy.remote() for w in group.workers]
+        held = group.collect([held for held, _ in calls], self.resources.collective_timeout_s,
+                             "resources.collective_timeout_s")
+        if set(held) != {steps_done}:
+            raise RuntimeError(f"peer copy: ranks hold states after steps {sorted(set(held))}, not {steps_done}")
+        nodes = [n["node_id"] for n in group.nodes]
+        copy_nodes = [other_node(node, nodes) for node in nodes]
+        copies = [_second_copy.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+                  .remote(part) for (_, part), node in zip(calls, copy_nodes)]
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        self.kept = [c for c in self.kept[-1:] if c.sources(alive) is not None]  # until the new one is whole
+        self.kept.append(PeerCopy(steps_done, position, [part for _, part in calls], nodes, copies, copy_nodes))
+
+    def restore(self, group, newer_than: int | None, resetup) -> Checkpoint | None:
+        """Load the newest peer copy that every part survives of (none older than the disk's newest
+        state, step `newer_than`) into every rank; a copy whose load fails (a second copy that
+        never arrived) is passed over, the ranks set up afresh. None when no copy loads."""
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        for copy in reversed(self.kept):
+            if newer_than is not None and copy.step < newer_than:
+                break
+            if (sources := copy.sources(alive)) is None:
+                continue
+            try:
+                group.collect([w.load_peer_copy.remote(*sources) for w in group.workers],
+                              self.resources.setup_timeout_s, SETUP_KNOB)
+                return Checkpoint(PEER_MEMORY, copy.step, {"data_position": copy.position})
+            except ray.exceptions.RayError as exc:
+                self.say(f"elastic: the peer copy of step {copy.step} could not be loaded "
+                         f"({str(exc).splitlines()[0][:200]})")
+                resetup()
+        return None

@@ -1,0 +1,48 @@
+"""elastic.peer_copy_every: each rank's part of the state kept in Ray's object store twice (its
+node and another); a restart loads it instead of a checkpoint from storage. Here on the session's
+Ray (a killed rank; its part outlives it in the object store); test_fault_matrix_cluster.py loses
+a node, so the copy on the other node is the one that is loaded."""
+
+from __future__ import annotations
+
+import pytest
+
+from faults import STEPS, Reference, check_against_reference, kill_rank_after, matrix_cfg
+from raymp import Trainer
+from raymp.elastic.peer_copies import choose_sources, other_node
+
+
+def test_each_part_is_taken_from_a_live_node_and_none_when_both_copies_are_gone():
+    parts, nodes, copies, copy_nodes = ["p0", "p1"], ["A", "B"], ["c0", "c1"], ["B", "A"]
+    assert choose_sources(parts, nodes, copies, copy_nodes, {"c0", "c1"}, {"A", "B"}) == ["p0", "p1"]
+    assert choose_sources(parts, nodes, copies, copy_nodes, {"c0", "c1"}, {"A"}) == ["p0", "c1"]
+    # B's own part is gone and its copy on A was not ready yet: restore from storage.
+    assert choose_sources(parts, nodes, copies, copy_nodes, {"c0"}, {"A"}) is None
+    assert choose_sources(parts, nodes, copies, copy_nodes, {"c0", "c1"}, set()) is None
+    assert [other_node(n, ["B", "A", "C", "A"]) for n in "ABC"] == ["B", "C", "A"]
+    assert other_node("A", ["A", "A"]) == "A"
+
+
+@pytest.fixture(scope="module")
+def ref(data_cache, tmp_path_factory):
+    return Reference.of(matrix_cfg(tmp_path_factory.mktemp("ref"), data_cache))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("parallel", [{"dp": 2, "zero": 3}, {"dp": 2, "pp": 2, "zero": 1, "schedule": "1f1b"}],
+                         ids=["dp2-zero3", "dp2xpp2-zero1"])
+def test_a_restart_loads_the_peer_copy_and_reads_no_checkpoint(parallel, ref, data_cache, tmp_path):
+    """No checkpoint on storage before the end (checkpoint.every past the run): without the peer
+    copy the restart would start over; with it, it resumes at the copy's step."""
+    cfg = matrix_cfg(tmp_path, data_cache, parallel={"micro_batch_size": 1, **parallel},
+                     checkpoint={"every": 100}, elastic={"peer_copy_every": 2})
+    with Trainer(cfg, progress=False) as trainer:
+        trainer.setup()
+        kill_rank_after(trainer, 5, rank=1)
+        history = trainer.fit()
+        (event,) = trainer.restarts
+        on_disk = [c.step for c in trainer.checkpoints.store.committed()]
+    assert event["recovery"] == "restart" and event["resumed_step"] >= 4
+    assert event["checkpoint"] == "peer memory"
+    assert on_disk == [STEPS]  # the run's final save only: nothing was there to read
+    check_against_reference(history, ref, range(STEPS))
