@@ -298,6 +298,28 @@ def _replacement(probe, root):
     return node_loss(probe, root, nodes=3, parallel={"micro_batch_size": 1}, elastic={"keep_survivors": True})
 
 
+@scenario("node loss, ZeRO-3 dp2 -> dp1 from the peer copy on the other node, nothing on storage")
+def _peer_copy(probe, root):
+    """No checkpoint on storage before the end; a peer copy every 2 steps. The node is lost once
+    the copy of step 2 is whole on both nodes (an event, not a clock): rank 1's own part goes
+    with its node, the copy of it on rank 0's node is what the dp=1 restart loads."""
+    probe.reset(2, 2)
+    run = Run(cfg_for(root, probe.cache, parallel={"dp": 2, "zero": 3}, checkpoint={"every": 100},
+                      elastic={"peer_copy_every": 2}))
+    run.after_steps(3)
+    copies = run.trainer.session.launcher.peer_copies
+
+    def whole() -> bool:
+        kept = copies.kept[-1].copies if copies.kept else []
+        return bool(kept) and len(ray.wait(kept, num_returns=len(kept), timeout=0, fetch_local=False)[0]) == len(kept)
+
+    wait_until(lambda: whole() or not run.thread.is_alive(), "a peer copy on both nodes")
+    placed = {"nodes": [n["node_id"] for n in run.trainer.group.nodes],
+              "copy_nodes": copies.kept[-1].copy_nodes, "step": copies.kept[-1].step}
+    probe.remove(run.node_of_rank(1))
+    return {**run.finish(), "copy": placed}
+
+
 def mlflow_record(uri: str, run_id: str) -> dict:
     """What the MLflow run shows: its status and tags, every logged loss step, the events."""
     from mlflow.tracking import MlflowClient

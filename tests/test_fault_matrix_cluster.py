@@ -133,6 +133,18 @@ def test_a_replacement_on_a_spare_node_joins_from_a_live_peer(results, refs):
     assert r["pids_after"][0] in r["pids_before"] and r["pids_after"][1] not in r["pids_before"]
 
 
+def test_node_loss_restores_the_peer_copy_from_the_other_node(results, refs):
+    """ZeRO-3 over two nodes: what rank 1 held is only on its node and in the peer copy on rank
+    0's node. The restart (dp=1, a new layout) loads that copy: no checkpoint read from storage."""
+    r = finished(results, "node loss, ZeRO-3 dp2 -> dp1 from the peer copy on the other node, nothing on storage",
+                 refs())
+    (event,) = r["restarts"]
+    copy = r["copy"]
+    assert copy["copy_nodes"] == copy["nodes"][::-1] and copy["nodes"][0] != copy["nodes"][1]
+    assert event["checkpoint"] == "peer memory" and event["resumed_step"] >= copy["step"]
+    assert restart_layouts(r) == [("failure", 2, 1)]
+
+
 def test_node_loss_before_the_first_checkpoint_starts_over(results, refs):
     r = finished(results, "node loss before the first checkpoint", refs())
     assert r["restarts"][0]["resumed_step"] == 0 and r["restarts"][0]["checkpoint"] is None
