@@ -79,7 +79,9 @@ def checkpoint_cost(root: str, model: str, steps: int, every: int, rounds: int) 
     group = ActorGroup(2, "cpu", cpus_per_actor=1.5, placement_timeout_s=120)
     modes = {"none": {"every": 0}, f"async every {every}": {"every": every, "async_save": True},
              f"async process every {every}": {"every": every, "async_save": "process"},
-             f"blocking every {every}": {"every": every, "async_save": False}}
+             f"blocking every {every}": {"every": every, "async_save": False},
+             # elastic.peer_copy_every: no checkpoint on storage, each rank's part kept in the object store
+             f"peer copy every {every}": {"every": 0, "peer_copy_every": every}}
     times = {name: [] for name in modes}
     blocked = {name: [] for name in modes}
     size = 0
@@ -87,9 +89,12 @@ def checkpoint_cost(root: str, model: str, steps: int, every: int, rounds: int) 
         for r in range(rounds):
             for name, ckpt in modes.items():
                 directory = f"{root}/cost-{model}-{r}-{name.replace(' ', '-')}"
-                cfg = config(root, model, steps, checkpoint={**ckpt, "dir": directory, "keep_last": 1})
+                ckpt = dict(ckpt)
+                peer = {"peer_copy_every": ckpt.pop("peer_copy_every", 0)}
+                cfg = config(root, model, steps, checkpoint={**ckpt, "dir": directory, "keep_last": 1}, elastic=peer)
                 with Trainer(cfg, actor_group=group, progress=False) as t:
                     h = t.fit()
+                    blocked[name] += t.session.launcher.peer_copies.blocked_s
                 times[name].append((h[-1]["finished_at"] - h[1]["finished_at"]) / (len(h) - 2))
                 blocked[name] += [m["checkpoint_blocked_s"] for m in h if "checkpoint_blocked_s" in m]
                 if ckpt["every"] and os.path.isdir(directory):

@@ -12,6 +12,7 @@ there. The parts are DCP files (raymp.checkpoint.in_memory), so a copy loads int
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import ray
@@ -24,9 +25,15 @@ PEER_MEMORY = "peer memory"  # where a restart's state came from (its event's "c
 
 
 
-@ray.remote(num_cpus=0)
-def _second_copy(part: dict) -> dict:
-    return part  # the return value is stored on the node this task runs on
+def _copy_task():
+    """A task returning its argument: the return value is stored on the node the task runs on.
+    Made here, not at module level, so Ray ships it by value and the worker running it imports
+    nothing of raymp (importing torch there cost seconds of CPU beside the training, every time
+    Ray started that worker again)."""
+    def second_copy(part: dict) -> dict:
+        return part
+
+    return ray.remote(num_cpus=0)(second_copy)
 
 
 @dataclass
@@ -71,6 +78,8 @@ class PeerCopies:
         """`resources`: the config's section (a take waits collective_timeout_s, a load setup_timeout_s)."""
         self.every, self.resources, self.say = every, resources, say
         self.kept: list[PeerCopy] = []  # the last two, newest last (the newest may not be whole yet)
+        self.blocked_s: list[float] = []  # per copy taken: how long the ranks paused for it
+        self._copy = None
 
     def due(self, steps_done: int) -> bool:
         return self.every > 0 and steps_done > 0 and steps_done % self.every == 0
@@ -78,15 +87,20 @@ class PeerCopies:
     def take(self, group, steps_done: int, position: dict) -> None:
         """Every rank's part of the state after `steps_done` steps (called between steps, with
         no checkpoint save in flight on the ranks)."""
+        t0 = time.perf_counter()
         calls = [w.save_peer_copy.remote() for w in group.workers]
         held = group.collect([held for held, _ in calls], self.resources.collective_timeout_s,
                              "resources.collective_timeout_s")
+        self.blocked_s.append(time.perf_counter() - t0)
         if set(held) != {steps_done}:
             raise RuntimeError(f"peer copy: ranks hold states after steps {sorted(set(held))}, not {steps_done}")
         nodes = [n["node_id"] for n in group.nodes]
         copy_nodes = [other_node(node, nodes) for node in nodes]
-        copies = [_second_copy.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
-                  .remote(part) for (_, part), node in zip(calls, copy_nodes)]
+        self._copy = self._copy or _copy_task()
+        # On one node a second copy protects nothing: the part already outlives its rank's process.
+        copies = [part if node == own else
+                  self._copy.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(part)
+                  for (_, part), node, own in zip(calls, copy_nodes, nodes)]
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         self.kept = [c for c in self.kept[-1:] if c.sources(alive) is not None]  # until the new one is whole
         self.kept.append(PeerCopy(steps_done, position, [part for _, part in calls], nodes, copies, copy_nodes))

@@ -250,12 +250,12 @@ class Worker:
         return self.checkpointer.load(path, self.program, self.engine, self.scheduler)
 
     @ray.method(num_returns=2)
-    def save_peer_copy(self) -> tuple[int, dict[str, bytes]]:
+    def save_peer_copy(self) -> tuple[int, dict[str, np.ndarray]]:
         """(optimizer steps held, this rank's part of a checkpoint as bytes): the driver keeps the
         bytes in Ray's object store, a copy on another node (elastic.peer_copy_every)."""
         return self.scheduler.last_epoch, save_to_bytes(self.checkpointer, self.program, self.engine, self.scheduler)
 
-    def load_peer_copy(self, *parts: dict[str, bytes]) -> dict:
+    def load_peer_copy(self, *parts: dict[str, np.ndarray]) -> dict:
         """Load every rank's save_peer_copy() parts (written under any layout) into this rank."""
         return load_from_bytes(self.checkpointer, parts, self.program, self.engine, self.scheduler)
 
