@@ -4,8 +4,6 @@ every scenario ends with, and the ways a checkpoint gets damaged."""
 from __future__ import annotations
 
 import shutil
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,19 +93,22 @@ def copy_checkpoints(src: Path, dst: Path) -> Path:
     return dst
 
 
-def kill_rank_after(trainer, steps: int, rank: int | list[int] = 1, committed: bool = False) -> threading.Thread:
-    """Kill one rank's actor (or several at once) once `steps` steps are done (waits on the
-    history, not a clock), and with `committed` once a checkpoint is committed too (a background
-    save may still be writing when the steps are done; on a busy machine, for longer than a step)."""
+def kill_rank_after(trainer, steps: int, rank: int | list[int] = 1, committed: bool = False) -> None:
+    """Kill one rank's actor (or several at once) once `steps` steps are done, and with
+    `committed` once a checkpoint is committed too: on the training thread, between two steps
+    (Trainer.on_event), so the kill lands at that point of the run however busy the machine is (a
+    thread polling the history once let it land steps later, or after the last one)."""
     import ray
 
-    def kill():
-        while len(trainer.history) < steps or (committed and trainer.checkpoints.store.latest() is None):
-            time.sleep(0.02)
-        workers = [trainer.group.workers[r] for r in ([rank] if isinstance(rank, int) else rank)]
-        for worker in workers:
+    ranks, done = [rank] if isinstance(rank, int) else rank, []
+
+    def on_event(name, info):
+        if name != "step" or done or len(trainer.history) < steps:
+            return
+        if committed and trainer.checkpoints.store.latest() is None:
+            return
+        done.append(True)
+        for worker in [trainer.group.workers[r] for r in ranks]:
             ray.kill(worker)
 
-    thread = threading.Thread(target=kill, daemon=True)
-    thread.start()
-    return thread
+    trainer.on_event = on_event

@@ -17,6 +17,9 @@ from fault_cluster_probe import BOUND_S, SCENARIOS
 from faults import STEPS, Reference, check_against_reference, matrix_cfg
 
 PROBE = Path(__file__).with_name("fault_cluster_probe.py")
+# The probe runs in the first test's set-up (~7 min alone, more on a busy machine): its bound is
+# the probe's own, per scenario, not pytest's default for one test.
+pytestmark = pytest.mark.timeout(BOUND_S * len(SCENARIOS) + 60)
 
 
 @pytest.fixture(scope="module")
