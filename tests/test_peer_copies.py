@@ -6,6 +6,7 @@ a node, so the copy on the other node is the one that is loaded."""
 from __future__ import annotations
 
 import pytest
+import ray
 
 from faults import STEPS, Reference, check_against_reference, kill_rank_after, matrix_cfg
 from raymp import Trainer
@@ -29,12 +30,11 @@ def ref(data_cache, tmp_path_factory):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("parallel", [{"dp": 2, "zero": 3}, {"dp": 2, "pp": 2, "zero": 1, "schedule": "1f1b"}],
-                         ids=["dp2-zero3", "dp2xpp2-zero1"])
-def test_a_restart_loads_the_peer_copy_and_reads_no_checkpoint(parallel, ref, data_cache, tmp_path):
+def test_a_restart_loads_the_peer_copy_and_reads_no_checkpoint(ref, data_cache, tmp_path):
     """No checkpoint on storage before the end (checkpoint.every past the run): without the peer
-    copy the restart would start over; with it, it resumes at the copy's step."""
-    cfg = matrix_cfg(tmp_path, data_cache, parallel={"micro_batch_size": 1, **parallel},
+    copy the restart would start over; with it, it resumes at the copy's step (a pipeline layout
+    reloads one in the survivors test below)."""
+    cfg = matrix_cfg(tmp_path, data_cache, parallel={"micro_batch_size": 1, "dp": 2, "zero": 3},
                      checkpoint={"every": 100}, elastic={"peer_copy_every": 2})
     with Trainer(cfg, progress=False) as trainer:
         trainer.setup()
@@ -45,4 +45,37 @@ def test_a_restart_loads_the_peer_copy_and_reads_no_checkpoint(parallel, ref, da
     assert event["recovery"] == "restart" and event["resumed_step"] >= 4
     assert event["checkpoint"] == "peer memory"
     assert on_disk == [STEPS]  # the run's final save only: nothing was there to read
+    check_against_reference(history, ref, range(STEPS))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("parallel,lost,kept", [
+    ({"dp": 2, "zero": 3}, 1, [0]),
+    # A pipeline replica broken in part: rank 3 (dp 1, stage 1) is lost, ranks 0 and 1 go on as
+    # the one replica, rank 2 is let go.
+    ({"dp": 2, "pp": 2, "zero": 1, "schedule": "1f1b"}, 3, [0, 1]),
+], ids=["dp2-zero3", "dp2xpp2-zero1"])
+def test_survivors_without_a_whole_copy_reload_the_peer_copy_in_their_own_processes(
+        parallel, lost, kept, ref, data_cache, tmp_path):
+    """keep_survivors where one rank alone holds part of the state: the survivors cannot go on
+    with what they hold, but with a copy every step they reload the copy of the failed step's
+    start, in the same processes: nothing redone, nothing read from storage, no new actor."""
+    cfg = matrix_cfg(tmp_path, data_cache, parallel={"micro_batch_size": 1, **parallel},
+                     checkpoint={"every": 100}, elastic={"peer_copy_every": 1, "keep_survivors": True})
+    with Trainer(cfg, progress=False) as trainer:
+        trainer.setup()
+        pids = [n["pid"] for n in trainer.group.nodes]
+        victim = trainer.group.workers[lost]
+
+        def kill_after_step_3(name, info):  # on the training thread: the copy of step 3 is taken
+            if name == "step" and info["done"] == 3 and not trainer.restarts:
+                ray.kill(victim)
+
+        trainer.on_event = kill_after_step_3
+        history = trainer.fit()
+        (event,) = trainer.restarts
+        layout = trainer.config.parallel.layout
+    assert event["recovery"] == "survivors reloaded" and event["checkpoint"] == "peer memory"
+    assert event["resumed_step"] == event["failed_step"]
+    assert event["pids"] == [pids[r] for r in kept] and layout.dp == 1
     check_against_reference(history, ref, range(STEPS))

@@ -60,6 +60,9 @@ def test_keep_survivors_is_refused_where_no_second_copy_of_the_state_exists(tmp_
     hsdp = matrix_cfg(tmp_path, data_cache, parallel={"dp": 4, "dp_replicate": 2, "zero": 3},
                       elastic={"keep_survivors": True})
     assert config_from_dict(hsdp).parallel.layout.state_replicas == 2  # each HSDP group holds it all
+    copied = matrix_cfg(tmp_path, data_cache, parallel={"dp": 2, "zero": 3},
+                        elastic={"keep_survivors": True, "peer_copy_every": 1})
+    assert config_from_dict(copied).elastic.keep_survivors  # the survivors reload the peer copy
 
 
 @pytest.mark.timeout(300)

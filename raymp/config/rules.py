@@ -40,12 +40,12 @@ def check_run(cfg) -> None:
             f"optimizer.warmup_steps ({cfg.optimizer.warmup_steps}) must be below train.steps "
             f"({t.steps}), or the learning rate never leaves warmup"
         )
-    if cfg.elastic.keep_survivors and p.layout.state_replicas < 2 and p.zero != 0:
+    if cfg.elastic.keep_survivors and p.layout.state_replicas < 2 and p.zero != 0 and not cfg.elastic.peer_copy_every:
         raise ValueError(
             f"elastic.keep_survivors needs a second whole copy of the training state, but zero={p.zero} shards "
             "it over every dp rank, so a loss leaves none whole; set parallel.zero=0 (each dp replica holds "
-            "it), HSDP with parallel.dp_replicate >= 2 (each group holds it), or elastic.keep_survivors=false "
-            "(restart from the checkpoint)")
+            "it), HSDP with parallel.dp_replicate >= 2 (each group holds it), elastic.peer_copy_every (the "
+            "survivors reload the peer copy), or elastic.keep_survivors=false (restart from the checkpoint)")
     if cfg.optimizer.cpu_offload and p.zero < 2:
         raise ValueError(
             "optimizer.cpu_offload needs parallel.zero 2 or 3 (FSDP2's offload policy); "

@@ -273,7 +273,8 @@ class ElasticConfig(_Strict):
     keep_survivors: bool = Field(
         False, description="after a loss, the surviving actors keep their state in memory and go on "
         "from the failed step (no restart, no checkpoint read, no step redone) where whole copies of the "
-        "state survive; needs parallel.zero=0 (each dp replica holds it) or HSDP (parallel.dp_replicate >= 2)")
+        "state survive; needs parallel.zero=0 (each dp replica holds it), HSDP (parallel.dp_replicate >= 2) "
+        "or elastic.peer_copy_every (then survivors with no whole copy reload the peer copy, in their processes)")
     peer_copy_every: int = Field(
         0, ge=0, description="every this many steps, each rank's part of the state is kept in Ray's object "
         "store on its node and on another; a restart loads it instead of the disk checkpoint when it is as new "

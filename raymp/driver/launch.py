@@ -78,14 +78,14 @@ class Launcher:
                           r.collective_timeout_s, tp_size=lay.tp, rendezvous_timeout_s=r.rendezvous_timeout_s,
                           on_event=self.on_event, **({"worker_cls": self.worker_cls} if self.worker_cls else {}))
 
-    def launch(self, cfg: RunConfig, position: DataPosition | dict | None,
-               survivors: ActorGroup | None = None, joined: dict[int, int] | None = None) -> Launched:
-        """Ranks set up for `cfg`, restored from the lineage's newest intact state or, if it has
-        none, started at `position` (default: the first step); streams started. `survivors`: a
-        group whose ranks kept their state in memory (Worker.keep_state) and rejoined: set up
-        for `cfg` and given that state back, at `position`, with no storage read. `joined`: its
-        ranks that just started -> the survivor whose copy each takes (the same part of the
-        model in another replica), sent through Ray's object store."""
+    def launch(self, cfg: RunConfig, position: DataPosition | dict | None, group: ActorGroup | None = None,
+               kept: bool = False, joined: dict[int, int] | None = None) -> Launched:
+        """Ranks set up for `cfg` (on `group`, rejoined survivors, or new actors), restored from
+        the newest intact state (a peer copy, else the lineage's) or, if there is none, started
+        at `position` (default: the first step); streams started. `kept`: the group's ranks
+        kept their state in memory (Worker.keep_state): given that back, at `position`, with no
+        storage read. `joined`: its ranks that just started -> the survivor whose copy each
+        takes (the same part of the model in another replica), sent through Ray's object store."""
         feed = self.feed
         vocab = feed.data.vocab_size
         # The layout against the tokenizer's real vocabulary (config validation may not have known it).
@@ -98,7 +98,7 @@ class Launcher:
         if self.device == "cpu" and (problem := host_memory_problem([memory[lay.coords(r)["pp"]].total_bytes
                                                                      for r in range(lay.world_size)])):
             raise ConfigError(problem)
-        group = survivors or self.group_for(cfg)
+        group = group or self.group_for(cfg)
 
         def set_up():
             # The validated config itself: the ranks do not validate it again.
@@ -106,7 +106,7 @@ class Launcher:
                               knob=SETUP_KNOB)
 
         infos = set_up()
-        if survivors is not None:
+        if kept:
             restore_survivors(group, joined or {}, r.setup_timeout_s)
             restored = None
         else:

@@ -40,12 +40,12 @@ class Session:
         self._last_collected = 0.0  # when the last step's results came back
         self.queued_early: list[int] = []  # steps queued before the previous one's results were read
 
-    def launch(self, position, survivors: ActorGroup | None = None, joined: dict | None = None) -> Checkpoint | None:
-        """The actors for self.config's layout, brought to the lineage's newest intact state (or
-        to `position` when it has none; see Launcher.launch for `survivors` and `joined`).
-        Returns the checkpoint restored."""
+    def launch(self, position, group: ActorGroup | None = None, kept: bool = False,
+               joined: dict | None = None) -> Checkpoint | None:
+        """The actors for self.config's layout, brought to the newest intact state (or to
+        `position` when there is none; see Launcher.launch for the rest). Returns what it restored."""
         self.group, self._ahead = None, None
-        launched = self.launcher.launch(self.config, position, survivors, joined)
+        launched = self.launcher.launch(self.config, position, group, kept, joined)
         self.group, self.config = launched.group, launched.config
         self.setup_info, self.memory_estimate = launched.setup_info, launched.memory_estimate
         self._step_constants = self._per_step_constants()
@@ -99,11 +99,7 @@ class Session:
         return sum(losses := [x for x in self.group.call("evaluate") if x is not None]) / len(losses)
 
     def state_dict(self) -> dict:
-        merged = {}
-        for part in self.group.call("full_state_dict"):
-            if part is not None:
-                merged.update(part)
-        return merged
+        return {k: v for part in self.group.call("full_state_dict") if part is not None for k, v in part.items()}
 
     def layout_rows(self) -> list[dict]:
         lay = self.config.parallel.layout
@@ -134,7 +130,7 @@ class Session:
         """Every live rank copies its state to host memory, once its failed step has ended:
         rank -> optimizer steps its state holds. The lost rank's replica can no longer go on:
         its other ranks are let go at once, so none of their peers waits on them."""
-        if lost_rank is not None:
+        if lost_rank is not None and self.config.parallel.layout.state_replicas > 1:  # else: the whole group
             self.group.let_go(self.config.parallel.layout.replica_of(lost_rank))
         kept = self.group.survivors("keep_state", self.config.resources.collective_timeout_s,
                                     "resources.collective_timeout_s", self.config.elastic.survivor_grace_s,
@@ -153,17 +149,18 @@ class Session:
             except Exception:
                 pass
 
-    def go_on_with(self, ranks: list[int], replicas: int) -> list[int]:
-        """The run again with the kept ranks (whole copies of the state, in order) as its
-        `replicas` copies (elastic.with_replicas), their state from memory, from the step that
-        failed. Returns their process ids (unchanged)."""
+    def go_on_with(self, ranks: list[int], config: RunConfig, kept: bool) -> tuple[Checkpoint | None, list[int]]:
+        """The run again on the live `ranks` (same processes, in order) with `config`'s layout:
+        `kept`, their state from memory (whole copies of it, elastic.with_replicas) from the step
+        that failed; else set up anew and restored like a restart (a peer copy, else the lineage).
+        Returns (what was restored, their process ids)."""
         r, group = self.config.resources, self.group
         self._ahead = None
         try:
             group.shrink_to(ranks, r.collective_timeout_s, r.rendezvous_timeout_s)
-            self.config = with_replicas(self.config, replicas)
-            self.launch(self.launcher.feed.position(), survivors=group)
-            return [n["pid"] for n in group.nodes]
+            self.config = config
+            restored = self.launch(self.launcher.feed.position() if kept else self.initial_position, group, kept)
+            return restored, [n["pid"] for n in group.nodes]
         except BaseException:
             group.shutdown()  # a fault while re-forming: the restart path starts from nothing
             self.group = None
@@ -191,7 +188,7 @@ class Session:
                 raise RuntimeError(f"ranks hold states after steps {sorted(held)}, the run is at {self.global_step}")
             group.grow((replicas - lay.state_replicas) * per, r.collective_timeout_s, r.rendezvous_timeout_s)
             self.config = with_replicas(self.config, replicas)
-            self.launch(self.launcher.feed.position(), survivors=group,
+            self.launch(self.launcher.feed.position(), group, kept=True,
                         joined={rank: rank % per for rank in range(before, group.world_size)})
             return [n["pid"] for n in group.nodes[:before]]
         except BaseException:

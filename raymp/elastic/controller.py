@@ -19,7 +19,8 @@ from enum import Enum
 from typing import Protocol
 
 from raymp.checkpoint.store import Checkpoint, CheckpointError
-from raymp.elastic.capacity import ElasticError, capacity, largest_valid_dp, largest_valid_replicas, wait_for_replicas
+from raymp.elastic.capacity import (ElasticError, capacity, largest_valid_dp, largest_valid_replicas, wait_for_replicas,
+                                    with_dp, with_replicas)
 from raymp.elastic.peer_copies import PEER_MEMORY
 from raymp.layout import Layout
 from raymp.runtime.actor_group import PlacementError, WorkerLostError
@@ -46,7 +47,7 @@ class ElasticRun(Protocol):
 
     def keep_survivors(self, lost_rank: int | None) -> dict[int, int]: ...
 
-    def go_on_with(self, ranks: list[int], replicas: int) -> list[int]: ...
+    def go_on_with(self, ranks: list[int], config, kept: bool) -> tuple[Checkpoint | None, list[int]]: ...
 
     def joinable_replicas(self) -> int: ...
 
@@ -238,13 +239,34 @@ class ElasticController:
             why = (f"their states are after steps {held}, the run is at step {at}" if held != [at] else
                    "no whole copy of the state survived" if not replicas else
                    f"{len(replicas)} whole copies of the state split the global batch into no valid dp")
-            self.say(f"elastic: the survivors cannot go on alone ({why}); restarting from the lineage")
-            return None
+            return self._survivors_reload(lost, in_flight, sorted(kept), t0, why)
         before = layout.record()
-        pids = self.run.go_on_with([r for ranks in replicas[:n] for r in ranks], n)
+        _, pids = self.run.go_on_with([r for ranks in replicas[:n] for r in ranks],
+                                      with_replicas(self.run.config, n), kept=True)
         return {**self._event("failure", lost, in_flight, before), "recovery": "survivors",
                 "resumed_step": at, "checkpoint": None, "wait_for_resources_s": 0.0,
                 "relaunch_s": time.monotonic() - t0, "pids": pids}
+
+    def _survivors_reload(self, lost, in_flight: tuple, alive: list[int], t0: float, why: str) -> dict | None:
+        """elastic.peer_copy_every: no whole copy of the state is in the survivors' memory, but the
+        peer copies hold every part. The live ranks (whole TP groups of them) go on as the largest
+        valid dp, set up anew and restored like a restart (the newest peer copy, else the lineage):
+        the same processes, no new actors. None (restart) without peer copies or enough ranks."""
+        cfg = self.run.config
+        lay = cfg.parallel.layout
+        per = lay.world_size // lay.dp  # the ranks of one dp replica
+        ranks = [r for start in range(0, lay.world_size, lay.tp)
+                 if set(tp_group := range(start, start + lay.tp)) <= set(alive) for r in tp_group]
+        dp = largest_valid_dp(cfg, len(ranks) // per) if cfg.elastic.peer_copy_every and len(ranks) >= per else None
+        if dp is None:
+            self.say(f"elastic: the survivors cannot go on alone ({why}); restarting from the lineage")
+            return None
+        self.say(f"elastic: the survivors cannot go on with their state ({why}); they reload it")
+        before = lay.record()
+        restored, pids = self.run.go_on_with(ranks[:dp * per], with_dp(cfg, dp), kept=False)
+        return {**self._event("failure", lost, in_flight, before), "recovery": "survivors reloaded",
+                "resumed_step": restored.step if restored else 0, "checkpoint": restored.path if restored else None,
+                "wait_for_resources_s": 0.0, "relaunch_s": time.monotonic() - t0, "pids": pids}
 
     def _event(self, reason: str, lost: WorkerLostError | None, in_flight: tuple, before: dict) -> dict:
         abandoned, salvaged = in_flight

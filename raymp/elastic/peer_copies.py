@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raymp.checkpoint.restore import SETUP_KNOB
 from raymp.checkpoint.store import Checkpoint
+from raymp.runtime.actor_group import WorkerLostError
 
 PEER_MEMORY = "peer memory"  # where a restart's state came from (its event's "checkpoint"), for a peer copy
 
@@ -89,8 +90,11 @@ class PeerCopies:
         no checkpoint save in flight on the ranks)."""
         t0 = time.perf_counter()
         calls = [w.save_peer_copy.remote() for w in group.workers]
-        held = group.collect([held for held, _ in calls], self.resources.collective_timeout_s,
-                             "resources.collective_timeout_s")
+        try:
+            held = group.collect([held for held, _ in calls], self.resources.collective_timeout_s,
+                                 "resources.collective_timeout_s")
+        except WorkerLostError as lost:  # the run's next step is the one that failed
+            raise WorkerLostError(f"the peer copy of step {steps_done}: {lost}", lost.rank, lost.kind, steps_done) from lost
         self.blocked_s.append(time.perf_counter() - t0)
         if set(held) != {steps_done}:
             raise RuntimeError(f"peer copy: ranks hold states after steps {sorted(set(held))}, not {steps_done}")

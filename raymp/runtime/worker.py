@@ -85,7 +85,7 @@ class Worker:
         """A host copy of this rank's whole training state, kept across rejoin() and set-up
         (elastic.keep_survivors; made already if a step lost a peer). Returns the optimizer
         steps it holds, so the driver can check every survivor stopped at the same step."""
-        if self._kept is None:
+        if self.program is not None:  # a rank whose step lost a peer made its copy as it left the group
             self._kept = host_state(self.program, self.engine, self.scheduler)
         return json.loads(self._kept["scheduler"])["last_epoch"]
 
