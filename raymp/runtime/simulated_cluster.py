@@ -12,7 +12,12 @@ from ray.cluster_utils import Cluster
 class SimulatedCluster:
     def __init__(self, head_cpus: float):
         """A head of `head_cpus` CPUs (0: it runs no actor and no task), this process connected."""
-        self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus})
+        # No metrics export: measured on Ray 2.60, a few steps after a node is removed the GCS and
+        # the head's dashboard agent (ingesting the GCS's metric histograms) took both cores of
+        # this machine for minutes in 4 runs of 5 (steps 1.1 s -> 15-45 s); with metrics off, in
+        # none of 5. docs/design.md, traps.
+        self.cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": head_cpus, "_system_config": {"enable_metrics_collection": False}})
         self.nodes: list = []  # worker nodes, oldest first
         ray.init(address=self.cluster.address, log_to_driver=False)
 
