@@ -1,8 +1,9 @@
 """5. Elasticity, side by side on one simulated cluster (ray.cluster_utils: a head node for the
 driver and two 3-CPU worker nodes): the same dp=2 training (DDP, a checkpoint every 4 steps)
-under raymp's elastic restart and under Ray Train's FailureConfig restart. After step 6 the node
-holding rank 0 is removed; the other node can host both ranks, so both restart at full size.
-Then raymp's async-checkpoint cost (benchmarks/recovery.py's measurement)."""
+under raymp's elastic restart (from the checkpoint, or from peer copies), raymp's keep_survivors
+and Ray Train's FailureConfig restart. After step 6 the node holding rank 0 is removed; the other
+node can host both ranks, so restarts are at full size. Then raymp's checkpoint cost
+(benchmarks/recovery.py's measurement)."""
 
 from __future__ import annotations
 
@@ -19,15 +20,25 @@ from raymp.runtime.simulated_cluster import SimulatedCluster
 KILL_AFTER, EVERY, STEPS = 6, 4, 14
 
 
-def _raymp_recovery(cluster, root: str, rep: int, keep_survivors: bool = False) -> dict:
-    """keep_survivors: the ranks sit on two nodes (one each), so one survives the loss."""
+RAYMP_MODES = {  # row -> (elastic section, both ranks on one node)
+    "raymp restart": ({}, True),
+    # the same restart, but each rank's part of the state is also kept in the object store on the
+    # other node after every step (elastic.peer_copy_every): the restart loads that, not the checkpoint
+    "raymp peer-memory restore": ({"peer_copy_every": 1}, True),
+    # one rank per node, so one survives with its state (grow_back off: the row is the recovery alone)
+    "raymp keep_survivors": ({"keep_survivors": True, "grow_back": False}, False),
+}
+
+
+def _raymp_recovery(cluster, root: str, rep: int, row: str) -> dict:
     from raymp.config import config_from_dict
+    from raymp.elastic.peer_copies import PEER_MEMORY
     from raymp.trainer import Trainer
 
-    tag = "survivors" if keep_survivors else "restart"
+    elastic, _ = RAYMP_MODES[row]
+    tag = row.split()[-1]
     cfg = run_config(f"elastic-{tag}-{rep}", f"{root}/runs", dp=2, zero=0, steps=STEPS, cpus_per_actor=1.5,
-                     checkpoint={"every": EVERY, "dir": f"{root}/raymp-ck-{tag}-{rep}"},
-                     elastic={"keep_survivors": keep_survivors, "grow_back": not keep_survivors})
+                     checkpoint={"every": EVERY, "dir": f"{root}/raymp-ck-{tag}-{rep}"}, elastic=elastic)
     trainer = Trainer(config_from_dict(cfg), progress=False)
     trainer.setup()
     thread = threading.Thread(target=trainer.fit, daemon=True)
@@ -39,13 +50,25 @@ def _raymp_recovery(cluster, root: str, rep: int, keep_survivors: bool = False) 
     thread.join()
     (event,) = trainer.restarts
     after = min(m["finished_at"] for m in trainer.history if m["finished_at"] > killed)
+    source = event["checkpoint"]
+    read = _size(source) if source not in (None, PEER_MEMORY) else 0
     out = {"to_next_step_s": after - killed, "redone": event["failed_step"] - event["resumed_step"],
-           "resume_s": event["detected_at"] + event["restart_s"] - killed,
+           "resume_s": event["detected_at"] + event["restart_s"] - killed, "read_bytes": read,
            "losses": [m["loss"] for m in trainer.history], "dp_after": trainer.config.parallel.dp,
-           "state_from": "survivors' memory" if event["recovery"] == "survivors" else
-           f"checkpoint of step {event['resumed_step']}"}
+           "state_from": "survivors' memory" if source is None else
+           f"{'peer memory' if source == PEER_MEMORY else 'checkpoint'} of step {event['resumed_step']}"}
     trainer.close()
     return out
+
+
+def _size(restored: str) -> int:
+    """Bytes of the checkpoint a restart loaded: what each DDP rank reads (each loads the whole
+    replicated state), on raymp's side and Ray Train's alike. By the end of the run
+    checkpoint.keep_last has pruned it; every checkpoint of the run has its size, so the newest is
+    measured."""
+    parent = os.path.dirname(restored)
+    newest = os.path.join(parent, max(d for d in os.listdir(parent) if d.startswith("step-")))
+    return sum(os.path.getsize(os.path.join(newest, f)) for f in os.listdir(newest))
 
 
 def _ray_train_recovery(cluster, root: str, rep: int, cfg: dict, batches, vocab: int) -> dict:
@@ -77,18 +100,20 @@ def _ray_train_recovery(cluster, root: str, rep: int, cfg: dict, batches, vocab:
         time.sleep(0.01)
     killed = _remove(cluster, records[0]["node"])
     thread.join()
-    steps, resumed = _read(log, "step"), _read(log, "resumed")
+    steps = _read(log, "step")
+    resumed = [r for r in _read(log, "started") if r["at"] > killed]
     if not resumed:
         why = f"{type(failure[0]).__name__}: {str(failure[0]).splitlines()[0]}" if failure else "no error raised"
         seen = [(r["step"], r["node"][:8]) for r in steps]
-        raise RuntimeError(f"Ray Train did not resume after the node loss in round {rep} ({why}); node "
+        raise RuntimeError(f"Ray Train did not restart after the node loss in round {rep} ({why}); node "
                            f"{records[0]['node'][:8]} removed after step {KILL_AFTER}; steps logged (step, node): {seen}")
     after = min(r["at"] for r in steps if r["at"] > killed)
     failed_step = max(r["step"] for r in steps if r["at"] <= killed)
     by_step = {r["step"]: r["loss"] for r in steps}  # the redone steps' second losses win
-    return {"to_next_step_s": after - killed, "redone": failed_step - resumed[0]["step"],
-            "resume_s": resumed[0]["at"] - killed, "losses": [by_step[s] for s in sorted(by_step)], "dp_after": 2,
-            "state_from": f"checkpoint of step {resumed[0]['step']}"}
+    step = resumed[0]["step"]
+    return {"to_next_step_s": after - killed, "redone": failed_step - step, "resume_s": resumed[0]["at"] - killed,
+            "read_bytes": resumed[0]["read_bytes"], "losses": [by_step[s] for s in sorted(by_step)], "dp_after": 2,
+            "state_from": f"checkpoint of step {step}" if step else "nothing (from the start)"}
 
 
 def _read(path: str, event: str) -> list[dict]:
@@ -111,14 +136,14 @@ def measure(opts) -> dict:
     root = tempfile.mkdtemp(prefix="raymp-bench-elastic-")
     cluster = SimulatedCluster(head_cpus=1)
     cluster.resize(2, 3)
-    runs = {"raymp restart": [], "raymp keep_survivors": [], "Ray Train": []}
+    runs = {**{row: [] for row in RAYMP_MODES}, "Ray Train": []}
     try:
         cfg = run_config("elastic", f"{root}/runs", dp=2, zero=0, steps=STEPS, cpus_per_actor=1.5)
         batches, vocab = global_batches(cfg)
         for rep in range(opts.reps):
-            runs["raymp restart"].append(_raymp_recovery(cluster, root, rep))
-            cluster.resize(2, 2)  # one rank per node: the other rank survives
-            runs["raymp keep_survivors"].append(_raymp_recovery(cluster, root, rep, keep_survivors=True))
+            for row, (_, one_node) in RAYMP_MODES.items():
+                cluster.resize(2, 3 if one_node else 2)  # 2-CPU nodes hold one rank each
+                runs[row].append(_raymp_recovery(cluster, root, rep, row))
             cluster.resize(2, 3)
             runs["Ray Train"].append(_ray_train_recovery(cluster, root, rep, cfg, batches, vocab))
             cluster.resize(2, 3)
@@ -134,7 +159,8 @@ def measure(opts) -> dict:
         gap = max(abs(a - b) / b for r in rs for a, b in zip(r["losses"], reference))
         ratio = peer / median(nxt)
         rows.append([name, f"{median(nxt):.1f}", spread(nxt), f"{median([r['resume_s'] for r in rs]):.1f}",
-                     str(median([r["redone"] for r in rs])), rs[0]["state_from"], str(rs[0]["dp_after"]), f"{gap:.1e}",
+                     str(median([r["redone"] for r in rs])), f"{median([r['read_bytes'] for r in rs]) / 2**20:.1f}",
+                     " / ".join(dict.fromkeys(r["state_from"] for r in rs)), str(rs[0]["dp_after"]), f"{gap:.1e}",
                      "" if name == "Ray Train" else f"{ratio:.2f}x ({'raymp faster' if ratio > 1 else 'raymp slower'})"])
     cost_rows = [[c["mode"], f"{c['step_s'] * 1e3:.0f}", f"{c['ratio']:.2f}x",
                   f"{c['blocked_s'] * 1e3:.0f}" if c["size_mb"] else "-", f"{c['size_mb']:.1f}" if c["size_mb"] else "-"]
@@ -145,13 +171,15 @@ def measure(opts) -> dict:
                   f"model `small`, global batch 16, seq_len 128, {STEPS} steps, a checkpoint every {EVERY} "
                   f"steps; both ranks (1.5 CPU each) sit on one node, which is removed when step "
                   f"{KILL_AFTER} is done; a replacement node is added at once. raymp restart: its elastic restart "
-                  "(async DCP checkpoints). raymp keep_survivors: `elastic.keep_survivors` on two 2-CPU nodes, "
-                  "one rank each; the node of rank 0 is removed and rank 1 goes on alone with its state in memory "
-                  "(grow_back off, so the row is the recovery alone). Ray Train: `FailureConfig(max_failures=1)`, the loop resumes from "
-                  f"`ray.train.get_checkpoint()` (rank 0 saves a torch state dict). {opts.reps} runs each, "
+                  "(async DCP checkpoints). raymp peer-memory restore: the same, with `elastic.peer_copy_every: 1`, "
+                  "so each rank's part of the state is also in the object store of the other node, and the restart "
+                  "loads that. raymp keep_survivors: `elastic.keep_survivors` on two 2-CPU nodes, one rank each; "
+                  "the node of rank 0 is removed and rank 1 goes on alone with its state in memory (grow_back off, "
+                  "so the row is the recovery alone). Ray Train: `FailureConfig(max_failures=1)`, the loop resumes "
+                  f"from `ray.train.get_checkpoint()` (rank 0 saves a torch state dict). {opts.reps} runs each, "
                   "alternating."),
         "columns": ["run", "node lost -> next step (s)", "runs (s)", "node lost -> resumed (s)", "steps redone",
-                    "state from", "dp after", "max loss gap vs raymp", "raymp vs peer"],
+                    "read from storage per rank (MiB)", "state from", "dp after", "max loss gap vs raymp", "raymp vs peer"],
         "rows": rows,
         "extra_tables": [{
             "caption": (f"raymp checkpoint cost (dp=2 ZeRO-2, model `small`, {3 * opts.steps} steps, a save every "
@@ -163,6 +191,12 @@ def measure(opts) -> dict:
             "\"node lost -> next step\" is the time from `remove_node` to the first training step completed "
             "after it; \"resumed\" is when training state was restored (raymp: its restart done; Ray Train: "
             "the loop's checkpoint load done). keep_survivors' next step runs at dp=1 on one actor.",
+            "\"read from storage per rank\" is the size of the checkpoint the restart loaded: under DDP "
+            "each rank reads all of it, on both sides. The peer-copy row of the cost table keeps no checkpoint "
+            "on storage; its copies (two of each rank's part) are in the object store.",
+            "Ray Train registers a reported checkpoint when its controller next polls the workers (every "
+            "`RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`, 2 s by default): a node lost before that restarts from the "
+            "checkpoint before, or from the start; \"state from\" lists what each run restored.",
             "The loss column compares every step (the redone steps' second pass) with raymp's run, so both "
             "resumed to the same state.",
         ],

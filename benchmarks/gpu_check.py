@@ -69,22 +69,23 @@ def section(rows: list[dict], setup: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def replace_section(text: str, new: str) -> str:
-    """`text` with its GPU check section (up to the next "## " heading) replaced by `new`, or
-    `new` appended."""
-    start = text.find(TITLE + "\n")
+def replace_section(text: str, new: str, title: str = TITLE) -> str:
+    """`text` with its section headed `title` (up to the next "## " heading) replaced by `new`,
+    or `new` appended (run_all --update replaces its sections the same way)."""
+    start = text.find(title + "\n")
     if start < 0:
         return text.rstrip("\n") + "\n\n" + new
-    end = text.find("\n## ", start + len(TITLE))
+    end = text.find("\n## ", start + len(title))
     return text[:start] + new + ("" if end < 0 else text[end + 1:])
 
 
-def existing_section(text: str) -> str | None:
-    """The GPU check section of a BENCHMARKS.md text, if it has one (run_all keeps it)."""
-    start = text.find(TITLE + "\n")
+def existing_section(text: str, title: str = TITLE) -> str | None:
+    """The section headed `title` of a BENCHMARKS.md text (default: the GPU check, which
+    run_all keeps), if it has one."""
+    start = text.find(title + "\n")
     if start < 0:
         return None
-    end = text.find("\n## ", start + len(TITLE))
+    end = text.find("\n## ", start + len(title))
     return text[start:] if end < 0 else text[start:end + 1]
 
 

@@ -144,7 +144,8 @@ def run_dp(cfg_dict: dict, batches: list[np.ndarray], vocab_size: int, mode: str
 def recovery_loop(config: dict) -> None:
     """DDP training that checkpoints every k steps through ray.train.report and, when Ray Train
     restarts it after a failure, resumes from the latest checkpoint. Rank 0 appends
-    (step, wall time) to a log after each step, which the benchmark reads from outside."""
+    (step, wall time) to a log after each step, and where each attempt started, which the
+    benchmark reads from outside."""
     import torch
 
     import ray.train
@@ -155,17 +156,18 @@ def recovery_loop(config: dict) -> None:
     device = _device()
     cfg, model, optimizer, scheduler, autocast = _model_and_optimizer(
         config["cfg"], config["vocab_size"], "ddp", device)
-    start = 0
+    start, read = 0, 0
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
+            read = os.path.getsize(os.path.join(d, "state.pt"))  # each rank loads the whole file
             state = torch.load(os.path.join(d, "state.pt"), weights_only=False)
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         start = state["step"]
-        if rank == 0:
-            _log(config["log"], {"event": "resumed", "step": start, "at": time.time()})
+    if rank == 0:  # every attempt, so a restart with no checkpoint registered shows too
+        _log(config["log"], {"event": "started", "step": start, "at": time.time(), "read_bytes": read})
     every = config["every"]
     for step in range(start, len(config["batches"])):
         local = np.array_split(config["batches"][step], world)[rank]

@@ -4,6 +4,7 @@
     python -m benchmarks.run_all --quick         # fewer steps and rounds, to try the command
     python -m benchmarks.run_all --gpu           # GPU mode: data parallel on every GPU, bf16, tokens/s and MFU
     python -m benchmarks.run_all --only dp memory
+    python -m benchmarks.run_all --only elastic --update   # regenerate one section in place
 
 Each section runs in a fresh interpreter (its own Ray instance, memory returned between
 sections); its full result, raw repetitions included, is kept as JSON next to the report
@@ -58,11 +59,15 @@ def _options(argv=None):
     parser.add_argument("--long-cap-mib", type=int, default=256,
                         help="long_context: per-actor cap on resident memory (small: the tiny model's long "
                              "sequences must meet it before attention's quadratic time does)")
+    parser.add_argument("--update", action="store_true",
+                        help="with --only: replace those sections in the existing file, keep the others")
     parser.add_argument("--resume", metavar="RESULTS_DIR",
                         help="keep the sections already finished in this results folder; run the rest")
     parser.add_argument("--section", help=argparse.SUPPRESS)  # internal: run one section, write --json
     parser.add_argument("--json", help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
+    if opts.update and not (opts.only and os.path.exists(opts.out)):
+        parser.error(f"--update replaces the sections named by --only in an existing {opts.out}")
     opts.steps = opts.steps or (5 if opts.quick else 10)
     opts.reps = opts.reps or (1 if opts.quick else 3)
     opts.pipeline_steps = 3 if opts.quick else 5
@@ -124,16 +129,20 @@ def _markdown(results: list[dict], info: dict, opts, command: str, results_dir: 
         "(rounds are interleaved), not absolute numbers across runs.", "",
     ]
     for r in results:
-        lines += [f"## {r['title']}", "", r["setup"], ""]
-        lines += _table(r["columns"], r["rows"])
-        for extra in r.get("extra_tables", []):
-            lines += [extra["caption"] + ":", ""] + _table(extra["columns"], extra["rows"])
-        lines += [f"- {note}" for note in r["notes"]]
-        wall = f"{r['wall_s']:.0f} s" if "wall_s" in r else "not recorded"
-        if r.get("kept"):
-            wall += "; kept by --resume: this section ran in an earlier invocation into the same results folder"
-        lines += ["", f"_Section wall time: {wall}._", ""]
+        lines += _section_lines(r)
     return "\n".join(lines)
+
+
+def _section_lines(r: dict, regenerated: str = "") -> list[str]:
+    lines = [f"## {r['title']}", "", r["setup"], ""]
+    lines += _table(r["columns"], r["rows"])
+    for extra in r.get("extra_tables", []):
+        lines += [extra["caption"] + ":", ""] + _table(extra["columns"], extra["rows"])
+    lines += [f"- {note}" for note in r["notes"]]
+    wall = f"{r['wall_s']:.0f} s" if "wall_s" in r else "not recorded"
+    if r.get("kept"):
+        wall += "; kept by --resume: this section ran in an earlier invocation into the same results folder"
+    return lines + ["", f"_Section wall time: {wall}{regenerated}._", ""]
 
 
 def _table(columns: list[str], rows: list[list]) -> list[str]:
@@ -158,7 +167,15 @@ def main(argv=None) -> None:
     info = {**machine(), "date": datetime.date.today().isoformat()}
     command = "python -m benchmarks.run_all" + "".join(
         f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
-    text = _markdown(results, info, opts, command, results_dir)
+    if opts.update:  # these sections in place; the rest of the file is the run named at its top
+        with open(opts.out) as f:
+            text = f.read()
+        note = (f"; this section alone regenerated on {info['date']} by `{command}` (raw numbers in "
+                f"`{os.path.relpath(results_dir, REPO)}/`)")
+        for r in results:
+            text = replace_section(text, "\n".join(_section_lines(r, note)) + "\n", f"## {r['title']}")
+    else:
+        text = _markdown(results, info, opts, command, results_dir)
     if os.path.exists(opts.out):  # a GPU check section (benchmarks/gpu_check.py) is kept
         with open(opts.out) as f:
             gpu = existing_section(f.read())

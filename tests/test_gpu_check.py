@@ -40,3 +40,15 @@ def test_the_section_replaces_its_predecessor_only():
     assert again.count(TITLE) == 1 and "50.0%" in again and "41.2%" not in again and "## 2. Next" in again
     assert existing_section(again).startswith(TITLE) and "## 2. Next" not in existing_section(again)
     assert existing_section(doc) is None
+
+
+def test_run_all_update_replaces_the_named_sections_in_place(tmp_path):
+    from benchmarks.run_all import _options, _section_lines
+
+    result = {"title": "2. Next", "setup": "new setup", "columns": ["a"], "rows": [[1]], "notes": [], "wall_s": 3}
+    doc = "# Benchmarks\n\n## 1. First\n\nrows\n\n## 2. Next\n\nold\n\n## 3. Last\n\nmore\n"
+    new = replace_section(doc, "\n".join(_section_lines(result, "; regenerated")) + "\n", "## 2. Next")
+    assert "old" not in new and "new setup" in new and "_Section wall time: 3 s; regenerated._\n\n## 3. Last" in new
+    assert new.startswith("# Benchmarks\n\n## 1. First\n\nrows\n\n## 2. Next\n")
+    with pytest.raises(SystemExit):  # nothing to update in place
+        _options(["--only", "elastic", "--update", "--out", str(tmp_path / "missing.md")])
