@@ -308,12 +308,7 @@ def _peer_copy(probe, root):
                       elastic={"peer_copy_every": 2}))
     run.after_steps(3)
     copies = run.trainer.session.launcher.peer_copies
-
-    def whole() -> bool:
-        kept = copies.kept[-1].copies if copies.kept else []
-        return bool(kept) and len(ray.wait(kept, num_returns=len(kept), timeout=0, fetch_local=False)[0]) == len(kept)
-
-    wait_until(lambda: whole() or not run.thread.is_alive(), "a peer copy on both nodes")
+    wait_until(lambda: _whole(copies) or not run.thread.is_alive(), "a peer copy on both nodes")
     placed = {"nodes": [n["node_id"] for n in run.trainer.group.nodes],
               "copy_nodes": copies.kept[-1].copy_nodes, "step": copies.kept[-1].step}
     probe.remove(run.node_of_rank(1))
@@ -330,6 +325,29 @@ def mlflow_record(uri: str, run_id: str) -> dict:
             "loss_steps": sorted(m.step for m in client.get_metric_history(run_id, "loss")),
             "elastic_dp": [m.value for m in client.get_metric_history(run_id, "elastic_dp")],
             "events": sorted(a.path for a in client.list_artifacts(run_id, "events"))}
+
+
+@scenario("node loss of the node holding every rank, dp2 restarts from the peer copy on another node")
+def _peer_copy_one_node(probe, root):
+    """Both ranks on one 3-CPU node of two: the copies go to the other node of the cluster, so
+    the loss of the ranks' node still leaves them (the second copy once went to the group's own
+    node here, and the restart read the checkpoint)."""
+    probe.reset(2, 3)
+    run = Run(cfg_for(root, probe.cache, parallel={"micro_batch_size": 1}, checkpoint={"every": 100},
+                      elastic={"peer_copy_every": 2}))
+    run.after_steps(3)
+    copies = run.trainer.session.launcher.peer_copies
+    wait_until(lambda: _whole(copies) or not run.thread.is_alive(), "a peer copy on another node")
+    placed = {"nodes": [n["node_id"] for n in run.trainer.group.nodes],
+              "copy_nodes": copies.kept[-1].copy_nodes, "step": copies.kept[-1].step}
+    probe.remove(run.node_of_rank(0))
+    return {**run.finish(), "copy": placed}
+
+
+def _whole(copies) -> bool:
+    """The newest peer copy is on both its nodes."""
+    kept = copies.kept[-1].copies if copies.kept else []
+    return bool(kept) and len(ray.wait(kept, num_returns=len(kept), timeout=0, fetch_local=False)[0]) == len(kept)
 
 
 @scenario("no room for one replica: the wait times out and names its knob")

@@ -148,6 +148,15 @@ def test_node_loss_restores_the_peer_copy_from_the_other_node(results, refs):
     assert restart_layouts(r) == [("failure", 2, 1)]
 
 
+def test_a_group_on_one_node_keeps_its_peer_copy_on_another(results, refs):
+    r = finished(results, "node loss of the node holding every rank, dp2 restarts from the peer copy on another node",
+                 refs())
+    (event,) = r["restarts"]
+    copy = r["copy"]
+    assert len(set(copy["nodes"])) == 1 and set(copy["copy_nodes"]).isdisjoint(copy["nodes"])
+    assert event["checkpoint"] == "peer memory" and event["resumed_step"] >= copy["step"]
+
+
 def test_node_loss_before_the_first_checkpoint_starts_over(results, refs):
     r = finished(results, "node loss before the first checkpoint", refs())
     assert r["restarts"][0]["resumed_step"] == 0 and r["restarts"][0]["checkpoint"] is None

@@ -22,6 +22,8 @@ def test_each_part_is_taken_from_a_live_node_and_none_when_both_copies_are_gone(
     assert choose_sources(parts, nodes, copies, copy_nodes, {"c0", "c1"}, set()) is None
     assert [other_node(n, ["B", "A", "C", "A"]) for n in "ABC"] == ["B", "C", "A"]
     assert other_node("A", ["A", "A"]) == "A"
+    # A group on one node of several: the copy goes to another node of the cluster.
+    assert other_node("A", ["A", "A"], ["C", "A", "B"]) == "B"
 
 
 @pytest.fixture(scope="module")

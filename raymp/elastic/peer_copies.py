@@ -68,9 +68,11 @@ def choose_sources(parts, nodes, copies, copy_nodes, ready, alive: set[str]) -> 
     return chosen
 
 
-def other_node(node: str, nodes: list[str]) -> str:
-    """The next node after `node` among the group's nodes (itself when it is the only one)."""
-    ring = sorted(set(nodes))
+def other_node(node: str, nodes: list[str], cluster: list[str] = ()) -> str:
+    """The next node after `node` among the group's nodes; where the group sits on one node, the
+    next among the cluster's live nodes (that node's loss would take every part with it); itself
+    when there is no other."""
+    ring = sorted(set(nodes)) if len(set(nodes)) > 1 else sorted(set(cluster) | {node})
     return ring[(ring.index(node) + 1) % len(ring)]
 
 
@@ -99,13 +101,13 @@ class PeerCopies:
         if set(held) != {steps_done}:
             raise RuntimeError(f"peer copy: ranks hold states after steps {sorted(set(held))}, not {steps_done}")
         nodes = [n["node_id"] for n in group.nodes]
-        copy_nodes = [other_node(node, nodes) for node in nodes]
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        copy_nodes = [other_node(node, nodes, alive) for node in nodes]
         self._copy = self._copy or _copy_task()
         # On one node a second copy protects nothing: the part already outlives its rank's process.
         copies = [part if node == own else
                   self._copy.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(part)
                   for (_, part), node, own in zip(calls, copy_nodes, nodes)]
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         self.kept = [c for c in self.kept[-1:] if c.sources(alive) is not None]  # until the new one is whole
         self.kept.append(PeerCopy(steps_done, position, [part for _, part in calls], nodes, copies, copy_nodes))
 
