@@ -300,18 +300,28 @@ def _replacement(probe, root):
 
 @scenario("node loss, ZeRO-3 dp2 -> dp1 from the peer copy on the other node, nothing on storage")
 def _peer_copy(probe, root):
-    """No checkpoint on storage before the end; a peer copy every 2 steps. The node is lost once
-    the copy of step 2 is whole on both nodes (an event, not a clock): rank 1's own part goes
-    with its node, the copy of it on rank 0's node is what the dp=1 restart loads."""
-    probe.reset(2, 2)
-    run = Run(cfg_for(root, probe.cache, parallel={"dp": 2, "zero": 3}, checkpoint={"every": 100},
+    """One rank per 2-CPU node: rank 1's own part goes with its node, the copy of it on rank 0's
+    node is what the dp=1 restart loads."""
+    return _node_loss_after_a_whole_peer_copy(probe, root, 2, {"dp": 2, "zero": 3}, rank=1)
+
+
+def _node_loss_after_a_whole_peer_copy(probe, root, cpus: int, parallel: dict, rank: int) -> dict:
+    """No checkpoint on storage before the end; a peer copy every 2 steps. The node of `rank` is
+    lost once the copy of step 2 is whole on both its nodes (an event, not a clock)."""
+    probe.reset(2, cpus)
+    run = Run(cfg_for(root, probe.cache, parallel=parallel, checkpoint={"every": 100},
                       elastic={"peer_copy_every": 2}))
     run.after_steps(3)
     copies = run.trainer.session.launcher.peer_copies
-    wait_until(lambda: _whole(copies) or not run.thread.is_alive(), "a peer copy on both nodes")
+
+    def whole() -> bool:
+        kept = copies.kept[-1].copies if copies.kept else []
+        return bool(kept) and len(ray.wait(kept, num_returns=len(kept), timeout=0, fetch_local=False)[0]) == len(kept)
+
+    wait_until(lambda: whole() or not run.thread.is_alive(), "a peer copy on both its nodes")
     placed = {"nodes": [n["node_id"] for n in run.trainer.group.nodes],
               "copy_nodes": copies.kept[-1].copy_nodes, "step": copies.kept[-1].step}
-    probe.remove(run.node_of_rank(1))
+    probe.remove(run.node_of_rank(rank))
     return {**run.finish(), "copy": placed}
 
 
@@ -332,22 +342,7 @@ def _peer_copy_one_node(probe, root):
     """Both ranks on one 3-CPU node of two: the copies go to the other node of the cluster, so
     the loss of the ranks' node still leaves them (the second copy once went to the group's own
     node here, and the restart read the checkpoint)."""
-    probe.reset(2, 3)
-    run = Run(cfg_for(root, probe.cache, parallel={"micro_batch_size": 1}, checkpoint={"every": 100},
-                      elastic={"peer_copy_every": 2}))
-    run.after_steps(3)
-    copies = run.trainer.session.launcher.peer_copies
-    wait_until(lambda: _whole(copies) or not run.thread.is_alive(), "a peer copy on another node")
-    placed = {"nodes": [n["node_id"] for n in run.trainer.group.nodes],
-              "copy_nodes": copies.kept[-1].copy_nodes, "step": copies.kept[-1].step}
-    probe.remove(run.node_of_rank(0))
-    return {**run.finish(), "copy": placed}
-
-
-def _whole(copies) -> bool:
-    """The newest peer copy is on both its nodes."""
-    kept = copies.kept[-1].copies if copies.kept else []
-    return bool(kept) and len(ray.wait(kept, num_returns=len(kept), timeout=0, fetch_local=False)[0]) == len(kept)
+    return _node_loss_after_a_whole_peer_copy(probe, root, 3, {"micro_batch_size": 1}, rank=0)
 
 
 @scenario("no room for one replica: the wait times out and names its knob")
