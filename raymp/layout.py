@@ -128,6 +128,12 @@ class Layout:
         alive, per = set(ranks), self.world_size // self.state_replicas
         return [reps for r in range(0, self.world_size, per) if alive.issuperset(reps := self.replica_of(r))]
 
+    def whole_tp_groups(self, ranks) -> list[int]:
+        """The ranks among `ranks` whose whole TP group (contiguous ranks, see coords) is too, in order."""
+        alive = set(ranks)
+        return [r for start in range(0, self.world_size, self.tp)
+                if alive.issuperset(group := range(start, start + self.tp)) for r in group]
+
     def keeping(self, replicas: int) -> dict[str, int]:
         """The parallel settings that go on with `replicas` of its state replicas (the survivors')."""
         return {"dp": replicas} if self.zero == 0 else {"dp": replicas * self.dp_shard, "dp_replicate": replicas}

@@ -255,8 +255,7 @@ class ElasticController:
         cfg = self.run.config
         lay = cfg.parallel.layout
         per = lay.world_size // lay.dp  # the ranks of one dp replica
-        ranks = [r for start in range(0, lay.world_size, lay.tp)
-                 if set(tp_group := range(start, start + lay.tp)) <= set(alive) for r in tp_group]
+        ranks = lay.whole_tp_groups(alive)
         dp = largest_valid_dp(cfg, len(ranks) // per) if cfg.elastic.peer_copy_every and len(ranks) >= per else None
         if dp is None:
             self.say(f"elastic: the survivors cannot go on alone ({why}); restarting from the lineage")
