@@ -117,6 +117,12 @@ class Layout:
         HSDP group (ZeRO shards inside it) under dp_replicate, else one."""
         return self.dp if self.zero == 0 else self.dp_replicate
 
+    @property
+    def collectives_inside_a_copy(self) -> bool:
+        """Whether the ranks of one copy of the state (replica_of) run collectives among
+        themselves mid-step (TP, CP, an HSDP group's ZeRO shards), beyond pp's point-to-point."""
+        return self.world_size // self.state_replicas > self.pp
+
     def replica_of(self, rank: int) -> list[int]:
         """The ranks that hold one whole copy of the state with `rank`: contiguous, as dp (and
         dp_replicate in it) is the outermost mesh dimension."""

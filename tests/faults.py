@@ -93,16 +93,33 @@ def copy_checkpoints(src: Path, dst: Path) -> Path:
     return dst
 
 
-def kill_rank_after(trainer, steps: int, rank: int | list[int] = 1, committed: bool = False) -> None:
+ROOM_TIMEOUT_S = 120  # kill_rank_after(until_room=True): how long the let-go bundles may take to free
+
+
+def kill_rank_after(trainer, steps: int, rank: int | list[int] = 1, committed: bool = False,
+                    until_room: bool = False) -> None:
     """Kill one rank's actor (or several at once) once `steps` steps are done, and with
     `committed` once a checkpoint is committed too: on the training thread, between two steps
     (Trainer.on_event), so the kill lands at that point of the run however busy the machine is (a
-    thread polling the history once let it land steps later, or after the last one)."""
+    thread polling the history once let it land steps later, or after the last one). With
+    `until_room`, the first step after the survivors went on does not end until Ray has freed
+    the bundles of the ranks they let go, so a join back is due before the next step, however
+    quick the rest of the run is (ROOM_TIMEOUT_S bounds the wait)."""
+    import time
+
     import ray
 
     ranks, done = [rank] if isinstance(rank, int) else rank, []
 
     def on_event(name, info):
+        if until_room and done == [True] and trainer.restarts and name == "step":
+            deadline = time.monotonic() + ROOM_TIMEOUT_S
+            joined = lambda: any(r.get("recovery") == "live join" for r in trainer.restarts)  # noqa: E731
+            while not (joined() or trainer.session.joinable_replicas()):
+                assert time.monotonic() < deadline, (f"no bundle freed within ROOM_TIMEOUT_S={ROOM_TIMEOUT_S}; "
+                                                     f"restarts: {[r.get('recovery') for r in trainer.restarts]}")
+                time.sleep(0.05)
+            done.append(True)
         if name != "step" or done or len(trainer.history) < steps:
             return
         if committed and trainer.checkpoints.store.latest() is None:

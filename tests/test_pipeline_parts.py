@@ -1,5 +1,5 @@
 """The pipeline's parts that need no actors: stage placement, balancing, bubble arithmetic, the
-activation meter and the timeline files."""
+activation meter (and the step abandon it checks) and the timeline files."""
 
 from __future__ import annotations
 
@@ -99,6 +99,32 @@ def test_activation_meter_counts_saved_activations_not_weights():
     assert meter.live == 0
     meter.reset_peak()
     assert meter.peak == 0
+
+
+def test_a_step_abandoned_ends_at_the_next_activation_in_forward_or_backward():
+    """StepAbandon's check runs at every activation autograd saves (forward) or uses (backward),
+    so a step stops within an op; a request about a process group already left is void."""
+    from raymp.runtime.peer_loss import StepAbandon, StepAbandoned, is_peer_loss
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+    meter, abandon = ActivationMeter(), StepAbandon()
+    meter.on_activation = abandon.check
+    abandon.arm(("10.0.0.1", 29500))
+    assert not abandon.request(("10.0.0.1", 29400))  # an earlier group's: void
+    with meter.hooks():
+        loss = model(torch.randn(4, 64)).sum()  # runs: nothing asked
+    assert abandon.request(("10.0.0.1", 29500))
+    with pytest.raises(StepAbandoned) as err:
+        loss.backward()  # stopped in backward, at the first saved activation it uses
+    assert is_peer_loss(err.value)  # so the rank leaves its groups, keeping its state
+    wrapped = RuntimeError("Stage 0 failed to run forward")  # as a pipeline stage wraps it
+    wrapped.__cause__ = err.value
+    assert is_peer_loss(wrapped) and not is_peer_loss(RuntimeError("shape mismatch"))
+    with pytest.raises(StepAbandoned), meter.hooks():
+        model(torch.randn(4, 64))  # and in forward
+    abandon.arm(("10.0.0.1", 29600))  # the survivors' new group: the old request is gone
+    with meter.hooks():
+        model(torch.randn(4, 64)).sum().backward()
 
 
 def test_timeline_files(tmp_path):

@@ -52,6 +52,28 @@ def test_survivors_keep_their_state_and_redo_no_step(parallel, lost, kept_dp, re
     check_against_reference(history, ref, range(STEPS))
 
 
+@pytest.mark.timeout(300)
+def test_a_survivor_stuck_in_its_failed_step_is_told_to_drop_it(ref, data_cache, tmp_path):
+    """dp2: rank 1 is killed after step 3 while rank 0's step 4 would never end by itself (it has
+    no collective to fail). The driver abandons it at once (Worker.abandon_step, in the actor's
+    control thread) and rank 0 goes on alone with its state, the same process. Without that the
+    run would stop after resources.collective_timeout_s with no survivor."""
+    from helpers.ckpt_workers import EndlessStepWorker
+
+    cfg = matrix_cfg(tmp_path, data_cache, parallel={"dp": 2, "zero": 0, "micro_batch_size": 1},
+                     elastic={"keep_survivors": True, "grow_back": False}, resources={"collective_timeout_s": 120})
+    with Trainer(cfg, progress=False, worker_cls=EndlessStepWorker) as trainer:
+        trainer.setup()
+        pid = trainer.group.nodes[0]["pid"]
+        trainer.group.call("arm_endless", 3, 0)  # steps count from 0: the fourth
+        kill_rank_after(trainer, 3, rank=1)
+        history = trainer.fit()
+        (event,) = trainer.restarts
+    assert event["recovery"] == "survivors" and event["pids"] == [pid]
+    assert event["failed_step"] == event["resumed_step"] == 3
+    check_against_reference(history, ref, range(STEPS))
+
+
 def test_keep_survivors_is_refused_where_no_second_copy_of_the_state_exists(tmp_path, data_cache):
     for zero in (1, 2, 3):
         cfg = matrix_cfg(tmp_path, data_cache, parallel={"dp": 2, "zero": zero}, elastic={"keep_survivors": True})
@@ -83,7 +105,7 @@ def test_lost_replicas_join_back_from_live_peers(parallel, lost, ref, data_cache
         configured = trainer.config.parallel.layout
         pids = [n["pid"] for n in trainer.group.nodes]
         lost_copy = {pids[r] for r in configured.replica_of(lost)}
-        kill_rank_after(trainer, 3, rank=lost)
+        kill_rank_after(trainer, 3, rank=lost, until_room=True)
         history = trainer.fit()
         survived, joined = trainer.restarts
         layout, pids_after = trainer.config.parallel.layout, [n["pid"] for n in trainer.group.nodes]

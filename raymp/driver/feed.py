@@ -7,7 +7,7 @@ import ray
 
 from raymp.config import ConfigError, RunConfig
 from raymp.data import DataPosition, TrainOrder, load_dataset, replica_slice
-from raymp.data.ray_context import local_node_if_local_path, node_cpus, offers_no_cpu
+from raymp.data.ray_context import local_node_if_local_path, node_cpus, offers_no_cpu, place_ray_data_services_here
 from raymp.data.stream import StreamSpec
 from raymp.layout import Layout
 
@@ -20,6 +20,7 @@ class DataFeed:
         self.start: DataPosition | None = None  # where the streams started
         self.next_step = 0
         self.eval_batches = 0
+        self._services_placed = False  # place_ray_data_services_here, before the first streams
 
     @property
     def node(self) -> str | None:
@@ -59,6 +60,9 @@ class DataFeed:
                 "resources.cpus_per_actor or data.stream_cpus"
                 + (", or put data.cache_dir on storage every node reads (s3://, gs://, file:// on a shared "
                    "mount)" if node else ""))
+        if not self._services_placed:
+            place_ray_data_services_here()
+            self._services_placed = True
         steps = cfg.train.steps - start.step
         args = []
         for rank in range(layout.world_size):

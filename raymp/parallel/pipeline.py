@@ -139,6 +139,9 @@ class ActivationMeter:
         self.live = 0
         self.peak = 0
         self._refs: dict[int, list[int]] = {}
+        # Called at every activation saved (forward) or used (backward): the points where a
+        # step can be stopped mid-way (raymp.runtime.peer_loss.StepAbandon sets it).
+        self.on_activation = _nothing
 
     def reset_peak(self) -> None:
         self.peak = self.live
@@ -157,6 +160,7 @@ class ActivationMeter:
                     meter._release(self.key)
 
         def pack(t: torch.Tensor):
+            meter.on_activation()
             base = t._base if t._base is not None else t  # linear saves weight.t(), a view
             if isinstance(base, nn.Parameter) or t.device.type == "meta":
                 return _Saved(t, None)
@@ -173,7 +177,11 @@ class ActivationMeter:
             entry[0] += 1
             return _Saved(t, key)
 
-        return torch.autograd.graph.saved_tensors_hooks(pack, lambda saved: saved.tensor)
+        def unpack(saved: _Saved) -> torch.Tensor:
+            meter.on_activation()
+            return saved.tensor
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     def _release(self, key: int) -> None:
         entry = self._refs[key]
@@ -222,3 +230,7 @@ def bubble_stats(events_by_pp_rank: list[list[tuple]]) -> dict:
     idle = [makespan - b for b in busy]
     fraction = sum(idle) / (len(busy) * makespan) if makespan > 0 else 0.0
     return {"makespan_s": makespan, "busy_s": busy, "idle_s": idle, "bubble_fraction": fraction}
+
+
+def _nothing() -> None:
+    pass

@@ -45,7 +45,8 @@ class ActorGroup:
         self.world_size, self.device, self.tp_size, self.cpus = world_size, device, tp_size, cpus_per_actor
         self.workers, self.backend = [], "nccl" if device == "cuda" else "gloo"
         self.placement = Placement({"CPU": cpus_per_actor, **({"GPU": 1} if device == "cuda" else {})}, tp_size)
-        self._remote_cls = ray.remote(worker_cls)
+        # "control": a thread of its own for abandon_step, which must run while a step does.
+        self._remote_cls = ray.remote(concurrency_groups={"control": 1})(worker_cls)
         try:
             self.placement.reserve(world_size, placement_timeout_s)
             if on_event is not None:
@@ -68,6 +69,7 @@ class ActorGroup:
         method (init_distributed for new actors, rejoin for survivors), then where each is."""
         knob, deadline = "resources.rendezvous_timeout_s", _deadline(rendezvous_timeout_s)
         addr, port = self._gather([self.workers[0].rendezvous_address.remote()], deadline, knob, watch)[0]
+        self.formation = (addr, port)
         self._gather([getattr(w, m).remote(rank, len(self.workers), addr, port, self.backend, collective_timeout_s)
                       for rank, (w, m) in enumerate(zip(self.workers, methods))], deadline, knob, watch)
         self.nodes = self._gather([w.node_info.remote() for w in self.workers], deadline, knob, watch)
@@ -97,6 +99,12 @@ class ActorGroup:
             raise WorkerLostError(f"no surviving rank ended its failed step in time ({knob})", None, "timeout")
         self.let_go(rank_of[ref] for ref in pending)
         return alive
+
+    def abandon_steps(self) -> list:
+        """Tell every rank to drop the step it runs (a peer is lost; Worker.abandon_step), so the
+        survivors are free at once instead of at their next collective. Returns the calls' refs,
+        for the caller to read (a dead rank's fails)."""
+        return [w.abandon_step.remote(self.formation) for w in self.workers]
 
     def let_go(self, ranks) -> None:
         """Kill these ranks' actors (their sockets close with them, so no peer waits on them)."""

@@ -5,6 +5,7 @@ the scale benchmark's per-actor cap."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import resource
 
 import torch
@@ -52,3 +53,12 @@ def return_large_buffers_to_os() -> None:
         ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         pass
+
+
+def freeze_what_is_here() -> None:
+    """Leave every object that exists now out of all later garbage collections. Called once an
+    actor has imported torch, Ray and Ray Data: ~390,000 objects, nearly all there for good, which
+    a full collection scanned in 0.15 s, on the survivors' path after a loss (the worker drops its
+    model with one) and in Python's own gen-2 passes mid-step."""
+    gc.collect()
+    gc.freeze()

@@ -14,7 +14,6 @@ import numpy as np
 import ray
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from raymp.checkpoint.in_memory import load_from_bytes, save_to_bytes
 from raymp.checkpoint.integrity import verify_files
@@ -24,8 +23,10 @@ from raymp.data.stream import ReplicaStream
 from raymp.layout import device_mesh
 from raymp.models import model_spec
 from raymp.optim import build_scheduler
-from raymp.runtime.peer_loss import is_peer_loss, leave_process_groups
-from raymp.runtime.process_memory import peak_memory, peak_rss, reset_peak_rss, return_large_buffers_to_os
+from raymp.runtime.gradients import full_gradients
+from raymp.runtime.peer_loss import StepAbandon, is_peer_loss, leave_process_groups
+from raymp.runtime.process_memory import (freeze_what_is_here, peak_memory, peak_rss, reset_peak_rss,
+                                          return_large_buffers_to_os)
 from raymp.runtime.report import RankReport
 from raymp.runtime.steps import LocalStep, PipelineStep
 
@@ -49,6 +50,8 @@ class Worker:
         self._meshes = {}
         self._kept = None  # keep_state()'s host copy, until restore_kept()
         self.broken = False  # a step lost a peer: no process group until rejoin()
+        self.abandon = StepAbandon()  # set by abandon_step() from the control thread
+        freeze_what_is_here()
 
     # -- placement and rendezvous ---------------------------------------------------------
 
@@ -65,6 +68,7 @@ class Worker:
     def init_distributed(self, rank: int, world_size: int, addr: str, port: int, backend: str,
                          timeout_s: float) -> None:
         self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.abandon.arm((addr, port))
         if backend == "nccl":
             self.device = torch.device("cuda", 0)  # Ray sets CUDA_VISIBLE_DEVICES per actor
             torch.cuda.set_device(self.device)
@@ -81,6 +85,12 @@ class Worker:
         self.checkpointer = RankCheckpointer(
             rank, world_size, dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
 
+    @ray.method(concurrency_group="control")
+    def abandon_step(self, formation: tuple[str, int]) -> bool:
+        """The group formed at `formation` lost a peer: drop the step running (StepAbandon).
+        Runs in the control thread, beside the step."""
+        return self.abandon.request(formation)
+
     def keep_state(self) -> int:
         """A host copy of this rank's whole training state, kept across rejoin() and set-up
         (elastic.keep_survivors; made already if a step lost a peer). Returns the optimizer
@@ -91,7 +101,7 @@ class Worker:
 
     def rejoin(self, rank: int, world_size: int, addr: str, port: int, backend: str, timeout_s: float) -> None:
         """Leave the broken process group (a peer is gone) and join the survivors' new one."""
-        self.program = self.engine = None
+        self._drop_model()
         leave_process_groups()
         self._meshes, self.broken = {}, False
         self.init_distributed(rank, world_size, addr, port, backend, timeout_s)
@@ -120,31 +130,25 @@ class Worker:
         another config without restarting processes."""
         if self.checkpointer is not None:
             self.checkpointer.wait()  # a save of the previous set-up still writing
-        self.program = self.engine = self.scheduler = None  # the previous set-up's model goes first
-        gc.collect()
-        self.cfg = cfg
-        p = cfg.parallel
-        dims = p.layout
+        self._drop_model()  # the previous set-up's model goes first
+        self.cfg, dims = cfg, cfg.parallel.layout
         self.coords = dims.coords(self.rank)
         mesh = self._mesh(dims)
         spec = model_spec(cfg.model, vocab_size, cfg.seed)
         with torch.device("meta"):
             spec.build_meta()  # imports the model's code first: setup_peak_bytes counts memory, not code
         rss_before = reset_peak_rss()
-        if p.pp > 1:
-            self.program = PipelineStep(cfg, spec, mesh, self.coords, self.device, dims, document_eot)
-        else:
-            self.program = LocalStep(cfg, spec, mesh, self.coords, self.device, document_eot)
+        self.program = (PipelineStep(cfg, spec, mesh, self.coords, self.device, dims, document_eot) if dims.pp > 1
+                        else LocalStep(cfg, spec, mesh, self.coords, self.device, document_eot))
         self.engine = self.program.engine
+        self.program.meter.on_activation = self.abandon.check
         self.scheduler = build_scheduler(self.engine.optimizer, cfg.optimizer, cfg.train.steps)
-        if self.stream is not None:
-            self.stream.close()
-        self.stream = None
+        self.start_stream(None, 0, 0, 0)  # the previous set-up's stream, if any, is closed
         self.eval_tokens = []
         info = {"rank": self.rank, "coords": self.coords, "num_params": self.program.num_params,
                 # How much memory building and loading this rank's part took at its peak.
                 "setup_peak_bytes": None if rss_before is None else peak_rss() - rss_before}
-        if p.pp > 1:
+        if dims.pp > 1:
             info["stages"] = self.program.stage_layers
         return info
 
@@ -183,10 +187,19 @@ class Worker:
         optimizer), then drop everything that holds the process groups and shut them down, so
         no call here and no peer waiting on this rank blocks on them (raymp.runtime.peer_loss)."""
         self._kept = host_state(self.program, self.engine, self.scheduler)
-        self.program = self.engine = self.scheduler = self.checkpointer = None
+        self.checkpointer = None
         self._meshes, self.broken = {}, True
-        gc.collect()  # the DDP reducer, the pipeline and the meshes hold the groups; gloo closes on release
+        self._drop_model()  # the DDP reducer, the pipeline and the meshes hold the groups; gloo closes on release
         leave_process_groups()
+
+    def _drop_model(self) -> None:
+        """Let the model, optimizer and step program go, their memory and any process group
+        they hold with it. A full collection, once per model: their reference cycles hold most
+        of it (so not again when there was none)."""
+        if self.program is None and self.engine is None:
+            return
+        self.program = self.engine = self.scheduler = None
+        gc.collect()
 
     def _train_step(self, step: int) -> RankReport:
         t0 = time.perf_counter()
@@ -218,17 +231,7 @@ class Worker:
         """Forward and backward only: the full gradient of each parameter of this rank's stages, by
         name (all ranks call; dp/tp rank 0 of each stage returns), to pin a wrong gradient down."""
         self.program.forward_backward(tokens)
-        grads = {}
-        for module in self.engine.modules:
-            for name, param in module.named_parameters():
-                grad = param.grad
-                if grad is None:
-                    grads[_clean(name)] = None
-                    continue
-                full = grad.full_tensor() if isinstance(grad, DTensor) else grad
-                grads[_clean(name)] = full.detach().clone().cpu()
-        self.engine.optimizer.zero_grad(set_to_none=True)
-        self.engine.after_optimizer_step()
+        grads = full_gradients(self.engine)
         return grads if self._holds_stage_copy() else None
 
     # -- checkpoints --------------------------------------------------------------------------

@@ -109,3 +109,20 @@ class SlowSetupWorker(Worker):
     def setup(self, *args) -> dict:
         time.sleep(300)
         return {}
+
+
+class EndlessStepWorker(Worker):
+    """Rank `rank`'s first try of step `step` never ends by itself: it goes on through activation
+    after activation (the points where a real step checks StepAbandon) until the driver abandons
+    it. A survivor's step stuck like this is what abandon_step must end, not a timeout."""
+
+    def arm_endless(self, step: int, rank: int) -> None:
+        self._endless = (step, rank)
+
+    def _train_step(self, step: int):
+        if (step, self.rank) == getattr(self, "_endless", None):
+            self._endless = None  # the retry runs normally
+            while True:
+                self.program.meter.on_activation()
+                time.sleep(0.01)
+        return super()._train_step(step)
