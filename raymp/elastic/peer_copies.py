@@ -34,7 +34,9 @@ def _copy_task():
     def second_copy(part: dict) -> dict:
         return part
 
-    return ray.remote(num_cpus=0)(second_copy)
+    # max_retries=0: a second copy lost with its node is not made again from the first (the
+    # driver's core worker would try, pinned to the node that is gone, and say so on the console).
+    return ray.remote(num_cpus=0, max_retries=0)(second_copy)
 
 
 @dataclass
