@@ -24,17 +24,14 @@ from pathlib import Path
 import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from faults import matrix_cfg  # noqa: E402
+import faults  # noqa: E402
+from faults import Hung, matrix_cfg  # noqa: E402
 
 from raymp import Trainer  # noqa: E402
 from raymp.runtime.simulated_cluster import SimulatedCluster  # noqa: E402
 from raymp.runtime.worker import Worker  # noqa: E402
 
 BOUND_S = 240  # per scenario: past this it counts as hung
-
-
-class Hung(RuntimeError):
-    pass
 
 
 class SlowWriteWorker(Worker):
@@ -78,12 +75,8 @@ class Probe(SimulatedCluster):
         wait_until(lambda: ray.available_resources().get("CPU", 0) >= count * cpus + 1, "the cluster's CPUs")
 
 
-def wait_until(predicate, what: str, bound: float = BOUND_S) -> None:
-    deadline = time.monotonic() + bound
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise Hung(f"waited {bound:g}s for {what}")
-        time.sleep(0.02)
+def wait_until(predicate, what: str) -> None:
+    faults.wait_until(predicate, what, BOUND_S)
 
 
 def cfg_for(root: str, cache: str, **sections) -> dict:

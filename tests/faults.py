@@ -1,9 +1,10 @@
 """Shared by the fault-matrix tests: the matrix's run config, its one-process reference, the check
-every scenario ends with, and the ways a checkpoint gets damaged."""
+every scenario ends with, the ways a checkpoint gets damaged, and waiting on an event with a bound."""
 
 from __future__ import annotations
 
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +97,19 @@ def copy_checkpoints(src: Path, dst: Path) -> Path:
 ROOM_TIMEOUT_S = 120  # kill_rank_after(until_room=True): how long the let-go bundles may take to free
 
 
+class Hung(RuntimeError):
+    """A wait ran past its bound; the message names what was awaited and the bound."""
+
+
+def wait_until(predicate, what: str, bound: float) -> None:
+    """Wait for an event (`predicate()` true), never for a time: `bound` only ends a hung wait."""
+    deadline = time.monotonic() + bound
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise Hung(f"waited {bound:g}s for {what}")
+        time.sleep(0.02)
+
+
 def kill_rank_after(trainer, steps: int, rank: int | list[int] = 1, committed: bool = False,
                     until_room: bool = False) -> None:
     """Kill one rank's actor (or several at once) once `steps` steps are done, and with
@@ -105,20 +119,16 @@ def kill_rank_after(trainer, steps: int, rank: int | list[int] = 1, committed: b
     `until_room`, the first step after the survivors went on does not end until Ray has freed
     the bundles of the ranks they let go, so a join back is due before the next step, however
     quick the rest of the run is (ROOM_TIMEOUT_S bounds the wait)."""
-    import time
-
     import ray
 
     ranks, done = [rank] if isinstance(rank, int) else rank, []
 
     def on_event(name, info):
         if until_room and done == [True] and trainer.restarts and name == "step":
-            deadline = time.monotonic() + ROOM_TIMEOUT_S
             joined = lambda: any(r.get("recovery") == "live join" for r in trainer.restarts)  # noqa: E731
-            while not (joined() or trainer.session.joinable_replicas()):
-                assert time.monotonic() < deadline, (f"no bundle freed within ROOM_TIMEOUT_S={ROOM_TIMEOUT_S}; "
-                                                     f"restarts: {[r.get('recovery') for r in trainer.restarts]}")
-                time.sleep(0.05)
+            wait_until(lambda: joined() or trainer.session.joinable_replicas(),
+                       f"the let-go bundles freed (ROOM_TIMEOUT_S; restarts: "
+                       f"{[r.get('recovery') for r in trainer.restarts]})", ROOM_TIMEOUT_S)
             done.append(True)
         if name != "step" or done or len(trainer.history) < steps:
             return
