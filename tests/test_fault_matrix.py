@@ -212,6 +212,32 @@ def test_stop_commits_the_save_in_flight(signum, ref, data_cache, tmp_path, grou
 
 
 @pytest.mark.timeout(240)
+def test_a_stop_while_the_ranks_are_asked_to_save_still_commits_that_save(
+        ref, data_cache, tmp_path, group2, capsys, monkeypatch):
+    """CI (ray job stop): the signal landed while the driver waited for the ranks to start step
+    12's save; the ranks wrote it, index and all, but the driver had not yet recorded it as in
+    flight, so nothing committed it and its directory was left without the marker."""
+    asked = group2.call
+
+    def stopped_while_asking(method, *args, **kwargs):
+        if method == "save_checkpoint" and args[1] == 4:
+            group2.submit(method, *args, **kwargs)  # the ranks got the request; the wait is interrupted
+            raise KeyboardInterrupt
+        return asked(method, *args, **kwargs)
+
+    monkeypatch.setattr(group2, "call", stopped_while_asking)
+    cfg = matrix_cfg(tmp_path, data_cache)
+    with Trainer(cfg, actor_group=group2) as t:
+        with pytest.raises(KeyboardInterrupt):
+            t.fit()
+        done = list(t.history)
+    monkeypatch.undo()
+    assert [c.step for c in CheckpointStore(str(tmp_path / "checkpoints")).committed()] == [2, 4]
+    assert "stopped: the checkpoint of step 4 was committed" in capsys.readouterr().out
+    _resume_matches_reference(cfg, group2, done, ref)
+
+
+@pytest.mark.timeout(240)
 def test_second_sigterm_while_committing_is_held_and_a_slow_write_is_waited_for(
         ref, data_cache, tmp_path, group2, capsys, monkeypatch):
     """Storage still writing step 4 when the stop comes, and the signal repeated during the commit

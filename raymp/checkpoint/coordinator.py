@@ -45,8 +45,10 @@ class CheckpointCoordinator:
             self.log(f"checkpoint: {len(moved)} checkpoint(s) of the timeline this run rewound from moved "
                      f"aside, never loaded by it: {moved[0].rsplit('/', 1)[0]}")
         path = self.store.prepare(steps_done)
-        reports = group.call("save_checkpoint", path, steps_done, self.async_save)
+        # Pending before the ranks are asked: a stop (KeyboardInterrupt) that lands while they are
+        # being asked must still find this save to commit; their write goes on either way.
         self.pending = PendingSave(steps_done, path, meta, group.world_size)
+        reports = group.call("save_checkpoint", path, steps_done, self.async_save)
         return {k: max(r[k] for r in reports) for k in ("blocked_s", "wait_s", "stage_s")}
 
     def collect(self, reports: list[dict | None]) -> Checkpoint | None:
