@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -31,7 +32,10 @@ def consolidated_weights(path: str) -> tuple[dict[str, torch.Tensor], dict]:
           if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
     if not sd:
         raise CheckpointError(f"checkpoint {path} holds no model weights")
-    dcp.load(sd, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():
+        # torch warns that it assumes one process even when told so (no_dist=True): not the user's to act on.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(sd, storage_reader=reader, no_dist=True)
     weights = {key[len("model."):]: value for key, value in sd.items()}
     if checkpoint.meta["config"]["model"].get("tie_embeddings") and TIED_HEAD not in weights:
         # Saved once as the embedding; the plain model's state dict lists the head too.

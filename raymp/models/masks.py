@@ -11,6 +11,8 @@ Megatron's default `reset_position_ids=False`). The loss is not masked at docume
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 
@@ -61,6 +63,13 @@ def hf_masks(config, layer_types: set[str], h: torch.Tensor, positions: torch.Te
         if kind == "full_attention" and same_document is None:
             masks[kind] = None
             continue
-        masks[kind] = builders[kind](config=config, inputs_embeds=h, attention_mask=None, past_key_values=None,
-                                     position_ids=positions, and_mask_function=same_document)
+        build = builders[kind]
+        masks[kind] = build(config=config, inputs_embeds=h, attention_mask=None, position_ids=positions,
+                            and_mask_function=same_document, **{_cache_keyword(build): None})
     return masks
+
+
+def _cache_keyword(build) -> str:
+    """transformers 5.24 renamed the mask builders' `past_key_values` to `cache` (the old name
+    still works there but warns); raymp accepts transformers >= 5.0, so it asks the builder."""
+    return "cache" if "cache" in inspect.signature(build).parameters else "past_key_values"
