@@ -169,6 +169,14 @@ SCENARIOS = {
     "node loss of an HSDP group's rank, survivors keep their state, 2x2 -> 1x2": lambda p, r: node_loss(
         p, r, zero=3, dp=4, nodes=4, rank=0, parallel={"micro_batch_size": 1, "dp_replicate": 2},
         elastic={"keep_survivors": True}),
+    # One whole pipeline (1.5 CPUs per actor: two ranks per 4-CPU node) or one whole pipeline of TP
+    # pairs (four per 7-CPU node) per node: the lost node takes replica 0, replica 1 goes on.
+    "node loss, survivors keep their state, dp2 x pp2 -> dp1 x pp2": lambda p, r: node_loss(
+        p, r, nodes=2, cpus=4, rank=0, parallel={"pp": 2, "schedule": "1f1b", "micro_batch_size": 1},
+        elastic={"keep_survivors": True}),
+    "node loss, survivors keep their state, dp2 x pp2 x tp2 -> dp1 x pp2 x tp2": lambda p, r: node_loss(
+        p, r, nodes=2, cpus=7, rank=0, parallel={"pp": 2, "tp": 2, "micro_batch_size": 1},
+        elastic={"keep_survivors": True}),
     "node loss before the first checkpoint": lambda p, r: node_loss(
         p, r, after=1, committed=None, checkpoint={"every": 4}),
 }

@@ -96,18 +96,23 @@ def test_node_loss_3d(results, refs):
     assert (after["dp"], after["pp"], after["tp"]) == (1, 2, 2)
 
 
-@pytest.mark.parametrize("name,kept", [("node loss, survivors keep their state, dp2 -> dp1", 1),
-                                       ("node loss of the rendezvous rank, survivors keep their state, dp4 -> dp2", 2),
-                                       ("node loss of an HSDP group's rank, survivors keep their state, 2x2 -> 1x2", 2)])
-def test_node_loss_survivors_keep_their_state(results, refs, name, kept):
+@pytest.mark.parametrize("name,dp,kept_dp,kept_ranks", [
+    ("node loss, survivors keep their state, dp2 -> dp1", 2, 1, 1),
+    ("node loss of the rendezvous rank, survivors keep their state, dp4 -> dp2", 4, 2, 2),
+    ("node loss of an HSDP group's rank, survivors keep their state, 2x2 -> 1x2", 4, 2, 2),
+    ("node loss, survivors keep their state, dp2 x pp2 -> dp1 x pp2", 2, 1, 2),
+    ("node loss, survivors keep their state, dp2 x pp2 x tp2 -> dp1 x pp2 x tp2", 2, 1, 4),
+], ids=["dp2", "dp4-rank0", "hsdp2x2-zero3", "dp2xpp2", "dp2xpp2xtp2"])
+def test_node_loss_survivors_keep_their_state(results, refs, name, dp, kept_dp, kept_ranks):
     """elastic.keep_survivors: the same processes go on from the failed step with what they hold
     in memory; no checkpoint is read and no step is redone."""
     r = finished(results, name, refs(parallel={"micro_batch_size": 1}))
     (event,) = r["restarts"]
     assert event["recovery"] == "survivors" and event["checkpoint"] is None
     assert event["resumed_step"] == event["failed_step"]
-    assert len(event["pids"]) == kept and set(event["pids"]) <= set(r["pids_before"])
-    assert restart_layouts(r) == [("failure", 2 * kept, kept)]
+    assert len(event["pids"]) == kept_ranks and set(event["pids"]) <= set(r["pids_before"])
+    assert restart_layouts(r) == [("failure", dp, kept_dp)]
+    assert [event["layout_after"][d] for d in ("pp", "tp")] == [event["layout_before"][d] for d in ("pp", "tp")]
 
 
 def test_the_returning_node_joins_from_a_live_peer(results, refs):

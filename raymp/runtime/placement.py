@@ -43,6 +43,21 @@ class Placement:
                 f"{_fmt(ray.available_resources())}; total: {_fmt(ray.cluster_resources())}. "
                 "Lower parallel.dp/pp/tp or resources.cpus_per_actor, or add nodes."
             )
+        self.slots = self._grouped_by_node(self.slots)
+
+    def _grouped_by_node(self, slots: list[tuple]) -> list[tuple]:
+        """The slots reordered so that the ranks on one node are consecutive (nodes in the order
+        of their first slot; a TP group's `tp_size` slots move together). The outer dims (dp,
+        then pp) are contiguous rank blocks, so a node holds whole replicas where they fit and
+        its loss takes as few copies of the state as it can. Ray's order alone put a 2x2x2 run's
+        TP groups 0 and 3 on one node: its loss took half of both replicas, and keep_survivors
+        had nothing whole to go on with."""
+        where = {pg.id: placement_group_table(pg).get("bundles_to_node_id", {}) for pg in self.pgs}
+        nodes: dict = {}
+        for i in range(0, len(slots), self.tp_size):
+            pg, index = slots[i]
+            nodes.setdefault(where[pg.id].get(index), []).extend(slots[i:i + self.tp_size])
+        return [slot for same_node in nodes.values() for slot in same_node]
 
     def node_of(self, rank: int) -> str | None:
         pg, index = self.slots[rank]
