@@ -118,20 +118,25 @@ class Layout:
         return self.dp if self.zero == 0 else self.dp_replicate
 
     @property
+    def ranks_per_copy(self) -> int:
+        """How many ranks hold one whole copy of the state together (replica_of)."""
+        return self.world_size // self.state_replicas
+
+    @property
     def collectives_inside_a_copy(self) -> bool:
         """Whether the ranks of one copy of the state (replica_of) run collectives among
         themselves mid-step (TP, CP, an HSDP group's ZeRO shards), beyond pp's point-to-point."""
-        return self.world_size // self.state_replicas > self.pp
+        return self.ranks_per_copy > self.pp
 
     def replica_of(self, rank: int) -> list[int]:
         """The ranks that hold one whole copy of the state with `rank`: contiguous, as dp (and
         dp_replicate in it) is the outermost mesh dimension."""
-        per = self.world_size // self.state_replicas
+        per = self.ranks_per_copy
         return list(range(rank // per * per, rank // per * per + per))
 
     def whole_replicas(self, ranks) -> list[list[int]]:
         """The ranks of each whole copy of the state (replica_of) that are all among `ranks`, in order."""
-        alive, per = set(ranks), self.world_size // self.state_replicas
+        alive, per = set(ranks), self.ranks_per_copy
         return [reps for r in range(0, self.world_size, per) if alive.issuperset(reps := self.replica_of(r))]
 
     def whole_tp_groups(self, ranks) -> list[int]:
@@ -223,7 +228,7 @@ class Layout:
                  devices_per_node: int | None = None) -> list[str]:
         """Every reason this layout cannot run this model at this batch, most basic first."""
         return [*self._data_parallel_problems(), *self._tensor_problems(shape, seq_len, devices_per_node),
-                *self._context_problems(shape, seq_len), *self._pipeline_problems(shape),
+                *_context_problems(self, shape, seq_len), *self._pipeline_problems(shape),
                 *_batch_problems(self, global_batch)]
 
     def _data_parallel_problems(self):
@@ -261,22 +266,6 @@ class Layout:
             yield ("parallel.zero=1 (ZeroRedundancyOptimizer) does not take tensor-parallel (DTensor) "
                    "parameters; use parallel.zero=2 (same memory for optimizer state, plus sharded "
                    "gradients) or 0")
-
-    def _context_problems(self, shape: ModelShape, seq_len: int):
-        cp, tp = self.cp, self.tp
-        if cp == 1:
-            return
-        if shape.cp_heads is None:
-            yield (f"parallel.cp is implemented for the built-in model only, not {shape.kind}: set parallel.cp=1 "
-                   "(or train shorter sequences, or use parallel.tp with sequence_parallel to cut activations)")
-            return
-        if shape.cp_heads % (tp * cp):
-            yield (f"parallel.cp ({cp}) x parallel.tp ({tp}) must divide model.n_heads ({shape.cp_heads}): context "
-                   "parallelism gives each cp rank a share of every TP rank's heads; change parallel.cp")
-        split = cp * tp if self.sequence_parallel else cp
-        if seq_len % split:
-            what = "parallel.cp x parallel.tp (sequence parallel)" if self.sequence_parallel else "parallel.cp"
-            yield f"{what} = {split} must divide train.seq_len ({seq_len}): make it a multiple of {split}"
 
     def _pipeline_problems(self, shape: ModelShape):
         if self.schedule not in SCHEDULES:
@@ -322,6 +311,24 @@ def device_mesh(layout: Layout, device_type: str) -> dict:
     # needs its mesh and the TP mesh cut from one root, which a second init_device_mesh is not.
     data = mesh["dp", "cp"]._flatten("dp_cp") if layout.cp > 1 else mesh["dp"]
     return {"data": data, "cp": mesh["cp"], "pp": mesh["pp"], "tp": mesh["tp"]}
+
+
+def _context_problems(layout: Layout, shape: ModelShape, seq_len: int):
+    """Layout's rules on context parallelism: the model's heads and the sequence split over cp."""
+    cp, tp = layout.cp, layout.tp
+    if cp == 1:
+        return
+    if shape.cp_heads is None:
+        yield (f"parallel.cp is implemented for the built-in model only, not {shape.kind}: set parallel.cp=1 "
+               "(or train shorter sequences, or use parallel.tp with sequence_parallel to cut activations)")
+        return
+    if shape.cp_heads % (tp * cp):
+        yield (f"parallel.cp ({cp}) x parallel.tp ({tp}) must divide model.n_heads ({shape.cp_heads}): context "
+               "parallelism gives each cp rank a share of every TP rank's heads; change parallel.cp")
+    split = cp * tp if layout.sequence_parallel else cp
+    if seq_len % split:
+        what = "parallel.cp x parallel.tp (sequence parallel)" if layout.sequence_parallel else "parallel.cp"
+        yield f"{what} = {split} must divide train.seq_len ({seq_len}): make it a multiple of {split}"
 
 
 def _batch_problems(layout: Layout, global_batch: int):

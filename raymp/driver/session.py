@@ -175,7 +175,7 @@ class Session:
     def joinable_replicas(self) -> int:
         """Whole copies of the state that could start now in the group's free bundles."""
         lay = self.config.parallel.layout
-        return self.group.joinable() // (lay.world_size // lay.state_replicas)
+        return self.group.joinable() // lay.ranks_per_copy
 
     def join_live(self, replicas: int) -> list[int]:
         """`replicas` whole copies of the state (more than now) from the next step: new ranks start
@@ -184,7 +184,7 @@ class Session:
         group, r, lay = self.group, self.config.resources, self.config.parallel.layout
         if self.checkpoints.pending is not None:
             self.checkpoints.finish(group)
-        per, before = lay.world_size // lay.state_replicas, lay.world_size
+        per, before = lay.ranks_per_copy, lay.world_size
         try:
             held = set(group.call("keep_state", timeout_s=r.collective_timeout_s, knob="resources.collective_timeout_s"))
             if held != {self.global_step}:  # never: every rank ran every step; a join must not resume elsewhere
