@@ -152,7 +152,9 @@ def test_storage_slower_than_write_timeout_gives_the_save_up(data_cache, tmp_pat
     group = ActorGroup(2, "cpu", placement_timeout_s=60, collective_timeout_s=60, worker_cls=SlowStorageWorker)
     try:
         group.call("slow_writes_from", 8, 30.0)  # the final save takes 30 s; the limit is 1 s
-        cfg = matrix_cfg(tmp_path, data_cache, checkpoint={"write_timeout_s": 1, "async_save": True})
+        # The final save is the only one: an earlier one, waited for at most 1 s two steps after it
+        # started, would race the machine's speed.
+        cfg = matrix_cfg(tmp_path, data_cache, checkpoint={"every": 8, "write_timeout_s": 1, "async_save": True})
         with Trainer(cfg, actor_group=group) as t:
             history = t.fit()
             assert [step for step, _ in t.checkpoints.failed] == [8]

@@ -56,7 +56,11 @@ def mlflow_server(tmp_path_factory):
         pytest.fail("mlflow server did not answer within 120 s:\n" + (root / "server.log").read_text()[-3000:])
     yield url
     os.killpg(server.pid, signal.SIGTERM)
-    server.wait(timeout=30)
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:  # a busy machine (CI, load 200: over 30 s): the test's work is done
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
 
 
 @pytest.fixture(scope="module")
