@@ -12,6 +12,7 @@ Megatron's default `reset_position_ids=False`). The loss is not masked at docume
 from __future__ import annotations
 
 import inspect
+from functools import lru_cache
 
 import torch
 
@@ -69,7 +70,9 @@ def hf_masks(config, layer_types: set[str], h: torch.Tensor, positions: torch.Te
     return masks
 
 
+@lru_cache(maxsize=None)
 def _cache_keyword(build) -> str:
     """transformers 5.24 renamed the mask builders' `past_key_values` to `cache` (the old name
-    still works there but warns); raymp accepts transformers >= 5.0, so it asks the builder."""
+    still works there but warns); raymp accepts transformers >= 5.0, so it asks the builder,
+    once per builder (masks are built on every forward)."""
     return "cache" if "cache" in inspect.signature(build).parameters else "past_key_values"
