@@ -95,6 +95,7 @@ def copy_checkpoints(src: Path, dst: Path) -> Path:
 
 
 ROOM_TIMEOUT_S = 120  # kill_rank_after(until_room=True): how long the let-go bundles may take to free
+COPY_TIMEOUT_S = 120  # kill_rank_after(copied=True): how long the ranks may take to hand a peer copy over
 
 
 class Hung(RuntimeError):
@@ -111,14 +112,15 @@ def wait_until(predicate, what: str, bound: float) -> None:
 
 
 def kill_rank_after(trainer, steps: int, rank: int | list[int] = 1, committed: bool = False,
-                    until_room: bool = False) -> None:
+                    until_room: bool = False, copied: bool = False) -> None:
     """Kill one rank's actor (or several at once) once `steps` steps are done, and with
     `committed` once a checkpoint is committed too: on the training thread, between two steps
     (Trainer.on_event), so the kill lands at that point of the run however busy the machine is (a
     thread polling the history once let it land steps later, or after the last one). With
     `until_room`, the first step after the survivors went on does not end until Ray has freed
     the bundles of the ranks they let go, so a join back is due before the next step, however
-    quick the rest of the run is (ROOM_TIMEOUT_S bounds the wait)."""
+    quick the rest of the run is (ROOM_TIMEOUT_S bounds the wait). With `copied`, not before every
+    rank has handed the newest peer copy over (they do so while the next step runs)."""
     import ray
 
     ranks, done = [rank] if isinstance(rank, int) else rank, []
@@ -134,6 +136,9 @@ def kill_rank_after(trainer, steps: int, rank: int | list[int] = 1, committed: b
             return
         if committed and trainer.checkpoints.store.latest() is None:
             return
+        if copied:
+            newest = trainer.session.launcher.peer_copies.kept[-1]
+            assert newest.handed_over(COPY_TIMEOUT_S), f"the peer copy of step {newest.step} (COPY_TIMEOUT_S)"
         done.append(True)
         for worker in [trainer.group.workers[r] for r in ranks]:
             ray.kill(worker)

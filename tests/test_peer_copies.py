@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import ray
 
-from faults import STEPS, Reference, check_against_reference, kill_rank_after, matrix_cfg
+from faults import COPY_TIMEOUT_S, STEPS, Reference, check_against_reference, kill_rank_after, matrix_cfg
+from helpers.ckpt_workers import HoldsBackPeerCopyWorker
 from raymp import Trainer
 from raymp.elastic.peer_copies import choose_sources, other_node
 
@@ -40,7 +41,7 @@ def test_a_restart_loads_the_peer_copy_and_reads_no_checkpoint(ref, data_cache, 
                      checkpoint={"every": 100}, elastic={"peer_copy_every": 2})
     with Trainer(cfg, progress=False) as trainer:
         trainer.setup()
-        kill_rank_after(trainer, 5, rank=1)
+        kill_rank_after(trainer, 5, rank=1, copied=True)
         history = trainer.fit()
         (event,) = trainer.restarts
         on_disk = [c.step for c in trainer.checkpoints.store.committed()]
@@ -69,8 +70,10 @@ def test_survivors_without_a_whole_copy_reload_the_peer_copy_in_their_own_proces
         pids = [n["pid"] for n in trainer.group.nodes]
         victim = trainer.group.workers[lost]
 
-        def kill_after_step_3(name, info):  # on the training thread: the copy of step 3 is taken
+        def kill_after_step_3(name, info):  # on the training thread: the copy of step 3 is started
             if name == "step" and info["done"] == 3 and not trainer.restarts:
+                newest = trainer.session.launcher.peer_copies.kept[-1]  # handed over beside step 4
+                assert newest.step == 3 and newest.handed_over(COPY_TIMEOUT_S)
                 ray.kill(victim)
 
         trainer.on_event = kill_after_step_3
@@ -80,4 +83,24 @@ def test_survivors_without_a_whole_copy_reload_the_peer_copy_in_their_own_proces
     assert event["recovery"] == "survivors reloaded" and event["checkpoint"] == "peer memory"
     assert event["resumed_step"] == event["failed_step"]
     assert event["pids"] == [pids[r] for r in kept] and layout.dp == 1
+    check_against_reference(history, ref, range(STEPS))
+
+
+@pytest.mark.timeout(300)
+def test_a_copy_a_lost_rank_never_handed_over_is_passed_over_for_the_one_before(ref, data_cache, tmp_path):
+    """A copy reaches the object store while the next step runs: rank 1 is lost before it has
+    handed its part of the copy of step 3 over, so the survivor reloads the copy of step 2 (one
+    step redone, still nothing read from storage) and the run matches the reference."""
+    cfg = matrix_cfg(tmp_path, data_cache, parallel={"micro_batch_size": 1, "dp": 2, "zero": 3},
+                     checkpoint={"every": 100}, elastic={"peer_copy_every": 1, "keep_survivors": True})
+    with Trainer(cfg, progress=False, worker_cls=HoldsBackPeerCopyWorker) as trainer:
+        trainer.setup()
+        pids = [n["pid"] for n in trainer.group.nodes]
+        kill_rank_after(trainer, 3, rank=1)
+        history = trainer.fit()
+        (event,) = trainer.restarts
+        on_disk = [c.step for c in trainer.checkpoints.store.committed()]
+    assert event["recovery"] == "survivors reloaded" and event["checkpoint"] == "peer memory"
+    assert (event["failed_step"], event["resumed_step"]) == (3, 2)
+    assert event["pids"] == pids[:1] and on_disk == [STEPS]
     check_against_reference(history, ref, range(STEPS))

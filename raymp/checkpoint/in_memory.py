@@ -1,5 +1,5 @@
 """A rank's side of a peer copy (elastic.peer_copy_every): its part of a checkpoint as bytes in
-memory, and a load from every rank's parts.
+memory, taken in the background, and a load from every rank's parts.
 
 The parts are the files torch DCP writes (each rank's data file, and the coordinator's metadata),
 written to a node-local scratch directory and read back, so a peer copy loads into any layout
@@ -10,30 +10,95 @@ stays the one that is tested under every layout. Ray's object store carries and 
 
 from __future__ import annotations
 
+import shutil
 import tempfile
+import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 import numpy as np
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from raymp.checkpoint.rank_state import save_state
+from raymp.checkpoint.rank_state import AlreadyStaged, save_state
 
 
-def save_to_bytes(checkpointer, program, engine, scheduler) -> dict[str, np.ndarray]:
-    """file name -> bytes (a uint8 array) of this rank's part of a checkpoint of its state now.
-    Collective on the checkpoint group: every rank calls it, with no save in flight there.
-    Arrays, not bytes: Ray moves them in and out of its object store without a pickle copy."""
-    with tempfile.TemporaryDirectory(prefix="raymp-peer-copy-") as path:
-        sd = save_state(program, engine, scheduler, checkpointer.rank)
-        # Scratch read back at once: no fsync (it cost more than the write).
-        dcp.save(sd, storage_writer=FileSystemWriter(path, sync_files=False), process_group=checkpointer.group)
-        return {f.name: np.fromfile(f, dtype=np.uint8) for f in Path(path).iterdir() if f.is_file()}
+class PeerCopyWriter:
+    """This rank's peer copies in flight. start() stages the state in host memory and returns
+    (training goes on at once); DCP writes it to a scratch directory in a background thread;
+    finish(), queued at once on the actor's "copies" thread, hands the files over as arrays when
+    the write is done, while the next step runs. Every DCP call on the checkpoint group (a copy,
+    a checkpoint save or load) waits first for the copy's write: their collectives must not
+    interleave."""
+
+    def __init__(self, checkpointer):
+        self.checkpointer = checkpointer
+        self._lock = threading.Lock()  # start() runs on the actor's main thread, finish() on "copies"
+        self._writes: dict[int, tuple[str, Future]] = {}  # step -> (scratch directory, its write)
+
+    def start(self, program, engine, scheduler, timeout_s: float, knob: str) -> int:
+        """Start a copy of the state now; returns the optimizer steps it holds."""
+        self.wait_written(timeout_s, knob)
+        step = scheduler.last_epoch
+        sd = save_state(program, engine, scheduler, self.checkpointer.rank)
+        scratch = tempfile.mkdtemp(prefix="raymp-peer-copy-")
+        try:
+            # Scratch read back soon: no fsync (it cost more than the write).
+            future = dcp.async_save(sd, storage_writer=FileSystemWriter(scratch, sync_files=False),
+                                    process_group=self.checkpointer.group, async_stager=AlreadyStaged(),
+                                    async_checkpointer_type=AsyncCheckpointerType.THREAD)
+            future = getattr(future, "upload_completion", future)
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+        with self._lock:
+            self._writes[step] = (scratch, future)
+        return step
+
+    def finish(self, step: int, timeout_s: float, knob: str) -> tuple[int, dict[str, np.ndarray]]:
+        """(steps held, file name -> bytes as a uint8 array: Ray moves arrays in and out of its
+        object store without a pickle copy) once the copy of `step` is written."""
+        with self._lock:
+            scratch, future = self._writes.get(step) or (None, None)
+        if future is None:
+            raise RuntimeError(f"no peer copy of step {step} is in flight on this rank (its process group was re-formed)")
+        try:
+            try:
+                future.result(timeout=timeout_s)
+            except FutureTimeout:
+                raise TimeoutError(f"the peer copy of step {step} was still writing after {timeout_s:g}s ({knob})") from None
+            return step, {f.name: np.fromfile(f, dtype=np.uint8) for f in Path(scratch).iterdir() if f.is_file()}
+        finally:
+            with self._lock:
+                self._writes.pop(step, None)
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def wait_written(self, timeout_s: float, knob: str) -> None:
+        """Until every copy's write has ended (a failed one is finish()'s to report)."""
+        with self._lock:
+            writes = list(self._writes.items())
+        for step, (_, future) in writes:
+            try:
+                future.result(timeout=timeout_s)
+            except FutureTimeout:
+                raise TimeoutError(f"the peer copy of step {step} was still writing after {timeout_s:g}s ({knob})") from None
+            except BaseException:
+                pass
+
+    def discard(self) -> None:
+        """Forget the copies in flight: the group they are written on is gone, so their writes
+        fail; each scratch directory goes once its write has ended."""
+        with self._lock:
+            writes, self._writes = list(self._writes.values()), {}
+        for scratch, future in writes:
+            future.add_done_callback(lambda _, scratch=scratch: shutil.rmtree(scratch, ignore_errors=True))
 
 
 def load_from_bytes(checkpointer, parts, program, engine, scheduler) -> dict:
-    """Fill this rank's freshly set-up state from every rank's parts (save_to_bytes)."""
+    """Fill this rank's freshly set-up state from every rank's parts (PeerCopyWriter.finish)."""
     with tempfile.TemporaryDirectory(prefix="raymp-peer-load-") as path:
         for part in parts:
             for name, data in part.items():

@@ -122,7 +122,7 @@ def save_state(program, engine, scheduler, rank: int) -> dict:
     return sd
 
 
-class _AlreadyStaged:
+class AlreadyStaged:
     """An AsyncStager that hands the state dict on as it is: save_state() has made the host copy,
     and DCP's default stager would make a second one."""
 
@@ -178,7 +178,7 @@ class RankCheckpointer:
         if async_save:
             try:
                 future = dcp.async_save(sd, storage_writer=writer, process_group=self.group,
-                                        async_stager=_AlreadyStaged(), async_checkpointer_type=WRITERS[async_save])
+                                        async_stager=AlreadyStaged(), async_checkpointer_type=WRITERS[async_save])
                 future = getattr(future, "upload_completion", future)
             except BaseException as exc:
                 future = _failed(exc)

@@ -15,6 +15,7 @@ from raymp.checkpoint.integrity import shares, verify
 from raymp.checkpoint.store import Checkpoint, CheckpointError
 
 SETUP_KNOB = "resources.setup_timeout_s"
+COLLECTIVE_KNOB = "resources.collective_timeout_s"  # a wait on the ranks' collectives
 
 
 def verify_on_ranks(group, checkpoint: Checkpoint, timeout_s: float | None) -> list[str]:

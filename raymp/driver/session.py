@@ -10,7 +10,7 @@ import time
 import ray
 
 from raymp.checkpoint.coordinator import CheckpointCoordinator
-from raymp.checkpoint.restore import restore_newest_intact
+from raymp.checkpoint.restore import COLLECTIVE_KNOB, restore_newest_intact
 from raymp.checkpoint.store import Checkpoint
 from raymp.config import RunConfig, resolved_dict
 from raymp.driver.launch import Launcher
@@ -136,7 +136,7 @@ class Session:
         if lost_rank is not None and self.config.parallel.layout.state_replicas > 1:  # else: the whole group
             self.group.let_go(self.config.parallel.layout.replica_of(lost_rank))
         kept = self.group.survivors("keep_state", self.config.resources.collective_timeout_s,
-                                    "resources.collective_timeout_s", self.config.elastic.survivor_grace_s,
+                                    COLLECTIVE_KNOB, self.config.elastic.survivor_grace_s,
                                     "elastic.survivor_grace_s")
         self._read_failed_calls()
         return kept
@@ -186,7 +186,7 @@ class Session:
             self.checkpoints.finish(group)
         per, before = lay.ranks_per_copy, lay.world_size
         try:
-            held = set(group.call("keep_state", timeout_s=r.collective_timeout_s, knob="resources.collective_timeout_s"))
+            held = set(group.call("keep_state", timeout_s=r.collective_timeout_s, knob=COLLECTIVE_KNOB))
             if held != {self.global_step}:  # never: every rank ran every step; a join must not resume elsewhere
                 raise RuntimeError(f"ranks hold states after steps {sorted(held)}, the run is at {self.global_step}")
             group.grow((replicas - lay.state_replicas) * per, r.collective_timeout_s, r.rendezvous_timeout_s)

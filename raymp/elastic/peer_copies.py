@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raymp.checkpoint.restore import SETUP_KNOB
+from raymp.checkpoint.restore import COLLECTIVE_KNOB, SETUP_KNOB
 from raymp.checkpoint.store import Checkpoint
 from raymp.runtime.actor_group import WorkerLostError
 
@@ -42,7 +42,8 @@ def _copy_task():
 @dataclass
 class PeerCopy:
     """The state after `step` steps: per rank of the layout that took it, its part on its own
-    node and, once `copies` are ready, on `copy_nodes` (another node where there is one)."""
+    node and, once `copies` are ready, on `copy_nodes` (another node where there is one).
+    `held`: the steps each rank's part holds, once it has handed the part over."""
 
     step: int
     position: dict
@@ -50,12 +51,39 @@ class PeerCopy:
     nodes: list[str]
     copies: list
     copy_nodes: list[str]
+    held: list
 
-    def sources(self, alive: set[str]) -> list | None:
+    def handed_over(self, timeout_s: float = 0) -> bool | None:
+        """Whether every rank handed its part of this copy over (waiting at most timeout_s);
+        None while some are still writing. A failed hand-over's errors are read here (Ray
+        reports an error nobody read as unhandled)."""
+        ready, _ = ray.wait(self.held, num_returns=len(self.held), timeout=timeout_s, fetch_local=False)
+        if len(ready) < len(self.held):
+            return None
+        whole = True
+        for held, part, copy in zip(self.held, self.parts, self.copies):
+            try:
+                whole = ray.get(held) == self.step and whole
+            except ray.exceptions.RayError:
+                whole = False
+                _read_error(part)  # the same call's error
+                _read_error(copy)  # the copy task's, made from it
+        return whole
+
+    def sources(self, alive: set[str], timeout_s: float = 0) -> list | None:
         """One live reference per part (its own node's, else the other node's ready copy); None
-        when some part has no copy left."""
+        when some part has no copy left, or was never handed over."""
+        if not self.handed_over(timeout_s):
+            return None
         ready = set(ray.wait(self.copies, num_returns=len(self.copies), timeout=0, fetch_local=False)[0])
         return choose_sources(self.parts, self.nodes, self.copies, self.copy_nodes, ready, alive)
+
+
+def _read_error(ref) -> None:
+    try:
+        ray.get(ref, timeout=0)
+    except Exception:
+        pass
 
 
 def choose_sources(parts, nodes, copies, copy_nodes, ready, alive: set[str]) -> list | None:
@@ -79,10 +107,13 @@ def other_node(node: str, nodes: list[str], cluster: list[str] = ()) -> str:
 
 
 class PeerCopies:
+    """The driver's side: when a copy is due, starting it on the ranks (they hand it over while
+    the next step runs), and restoring the newest whole one."""
+
     def __init__(self, every: int, resources, say):
         """`resources`: the config's section (a take waits collective_timeout_s, a load setup_timeout_s)."""
         self.every, self.resources, self.say = every, resources, say
-        self.kept: list[PeerCopy] = []  # the last two, newest last (the newest may not be whole yet)
+        self.kept: list[PeerCopy] = []  # the newest whole one, then any newer still being handed over
         self.blocked_s: list[float] = []  # per copy taken: how long the ranks paused for it
         self._copy = None
 
@@ -90,18 +121,18 @@ class PeerCopies:
         return self.every > 0 and steps_done > 0 and steps_done % self.every == 0
 
     def take(self, group, steps_done: int, position: dict) -> None:
-        """Every rank's part of the state after `steps_done` steps (called between steps, with
-        no checkpoint save in flight on the ranks)."""
+        """A copy of every rank's part of the state after `steps_done` steps (called between
+        steps, with no checkpoint save in flight on the ranks): they stage it and go on; each
+        part reaches the object store once written, while the next step runs."""
         t0 = time.perf_counter()
-        calls = [w.save_peer_copy.remote() for w in group.workers]
         try:
-            held = group.collect([held for held, _ in calls], self.resources.collective_timeout_s,
-                                 "resources.collective_timeout_s")
+            held = group.call("start_peer_copy", timeout_s=self.resources.collective_timeout_s, knob=COLLECTIVE_KNOB)
         except WorkerLostError as lost:  # the run's next step is the one that failed
             raise WorkerLostError(f"the peer copy of step {steps_done}: {lost}", lost.rank, lost.kind, steps_done) from lost
         self.blocked_s.append(time.perf_counter() - t0)
         if set(held) != {steps_done}:
             raise RuntimeError(f"peer copy: ranks hold states after steps {sorted(set(held))}, not {steps_done}")
+        calls = [w.finish_peer_copy.remote(steps_done) for w in group.workers]
         nodes = [n["node_id"] for n in group.nodes]
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         copy_nodes = [other_node(node, nodes, alive) for node in nodes]
@@ -110,8 +141,20 @@ class PeerCopies:
         copies = [part if node == own else
                   self._copy.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(part)
                   for (_, part), node, own in zip(calls, copy_nodes, nodes)]
-        self.kept = [c for c in self.kept[-1:] if c.sources(alive) is not None]  # until the new one is whole
-        self.kept.append(PeerCopy(steps_done, position, [part for _, part in calls], nodes, copies, copy_nodes))
+        self._settle()
+        self.kept.append(PeerCopy(steps_done, position, [part for _, part in calls], nodes, copies, copy_nodes,
+                                  [held for held, _ in calls]))
+
+    def _settle(self) -> None:
+        """Keep the newest copy every rank has handed over, and any newer still on its way."""
+        whole, coming = None, []
+        for copy in self.kept:
+            state = copy.handed_over()
+            if state is None:
+                coming.append(copy)
+            elif state:
+                whole = copy
+        self.kept = ([whole] if whole else []) + [c for c in coming if whole is None or c.step > whole.step]
 
     def restore(self, group, newer_than: int | None, resetup) -> Checkpoint | None:
         """Load the newest peer copy that every part survives of (none older than the disk's newest
@@ -121,7 +164,8 @@ class PeerCopies:
         for copy in reversed(self.kept):
             if newer_than is not None and copy.step < newer_than:
                 break
-            if (sources := copy.sources(alive)) is None:
+            # A live rank still handing its part over gets resources.collective_timeout_s.
+            if (sources := copy.sources(alive, self.resources.collective_timeout_s)) is None:
                 continue
             try:
                 group.collect([w.load_peer_copy.remote(*sources) for w in group.workers],

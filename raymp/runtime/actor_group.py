@@ -45,8 +45,9 @@ class ActorGroup:
         self.world_size, self.device, self.tp_size, self.cpus = world_size, device, tp_size, cpus_per_actor
         self.workers, self.backend = [], "nccl" if device == "cuda" else "gloo"
         self.placement = Placement({"CPU": cpus_per_actor, **({"GPU": 1} if device == "cuda" else {})}, tp_size)
-        # "control": a thread of its own for abandon_step, which must run while a step does.
-        self._remote_cls = ray.remote(concurrency_groups={"control": 1})(worker_cls)
+        # Threads of their own beside the step: "control" for abandon_step, "copies" for
+        # finish_peer_copy (a peer copy is handed over while the next step runs).
+        self._remote_cls = ray.remote(concurrency_groups={"control": 1, "copies": 1})(worker_cls)
         try:
             self.placement.reserve(world_size, placement_timeout_s)
             if on_event is not None:

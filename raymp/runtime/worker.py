@@ -15,14 +15,15 @@ import ray
 import torch
 import torch.distributed as dist
 
-from raymp.checkpoint.in_memory import load_from_bytes, save_to_bytes
-from raymp.checkpoint.integrity import verify_files
+from raymp.checkpoint.in_memory import PeerCopyWriter
 from raymp.checkpoint.rank_state import RankCheckpointer, host_state, load_host_state
 from raymp.checkpoint.rank_state import clean_name as _clean
+from raymp.checkpoint.restore import COLLECTIVE_KNOB
 from raymp.data.stream import ReplicaStream
 from raymp.layout import device_mesh
 from raymp.models import model_spec
 from raymp.optim import build_scheduler
+from raymp.runtime.checkpoint_calls import CheckpointCalls
 from raymp.runtime.gradients import full_gradients
 from raymp.runtime.peer_loss import StepAbandon, is_peer_loss, leave_process_groups
 from raymp.runtime.process_memory import (freeze_what_is_here, peak_memory, peak_rss, reset_peak_rss,
@@ -31,7 +32,7 @@ from raymp.runtime.report import RankReport
 from raymp.runtime.steps import LocalStep, PipelineStep
 
 
-class Worker:
+class Worker(CheckpointCalls):
     """Plain class; the runtime wraps it with ray.remote so tests can also use it in-process."""
 
     def __init__(self, num_threads: int):
@@ -47,6 +48,7 @@ class Worker:
         self.program = None
         self.stream = None
         self.checkpointer = None
+        self.peer_copy = None  # a PeerCopyWriter beside the checkpointer, on its group
         self._meshes = {}
         self._kept = None  # keep_state()'s host copy, until restore_kept()
         self.broken = False  # a step lost a peer: no process group until rejoin()
@@ -84,6 +86,9 @@ class Worker:
         # background thread during async saves; they must not share the training's group).
         self.checkpointer = RankCheckpointer(
             rank, world_size, dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
+        if self.peer_copy is not None:
+            self.peer_copy.discard()  # written on a group that is gone
+        self.peer_copy = PeerCopyWriter(self.checkpointer)
 
     @ray.method(concurrency_group="control")
     def abandon_step(self, formation: tuple[str, int]) -> bool:
@@ -130,6 +135,7 @@ class Worker:
         another config without restarting processes."""
         if self.checkpointer is not None:
             self.checkpointer.wait()  # a save of the previous set-up still writing
+            self.peer_copy.wait_written(cfg.resources.collective_timeout_s, COLLECTIVE_KNOB)  # a copy of it
         self._drop_model()  # the previous set-up's model goes first
         self.cfg, dims = cfg, cfg.parallel.layout
         self.coords = dims.coords(self.rank)
@@ -187,7 +193,9 @@ class Worker:
         optimizer), then drop everything that holds the process groups and shut them down, so
         no call here and no peer waiting on this rank blocks on them (raymp.runtime.peer_loss)."""
         self._kept = host_state(self.program, self.engine, self.scheduler)
-        self.checkpointer = None
+        if self.peer_copy is not None:
+            self.peer_copy.discard()
+        self.checkpointer = self.peer_copy = None
         self._meshes, self.broken = {}, True
         self._drop_model()  # the DDP reducer, the pipeline and the meshes hold the groups; gloo closes on release
         leave_process_groups()
@@ -233,34 +241,6 @@ class Worker:
         self.program.forward_backward(tokens)
         grads = full_gradients(self.engine)
         return grads if self._holds_stage_copy() else None
-
-    # -- checkpoints --------------------------------------------------------------------------
-
-    def save_checkpoint(self, path: str, step: int, async_save: bool) -> dict:
-        """Start writing this rank's part of step's checkpoint (see raymp.checkpoint)."""
-        return self.checkpointer.save(path, step, self.program, self.engine, self.scheduler, async_save)
-
-    def wait_checkpoint(self, timeout_s: float | None = None) -> dict | None:
-        """Finish the save in flight (RankCheckpointer.wait)."""
-        return self.checkpointer.wait(timeout_s)
-
-    def verify_checkpoint(self, path: str, files: dict[str, str]) -> list[str]:
-        """Problems with this rank's share of a checkpoint's files (verified before a load)."""
-        return verify_files(path, files)
-
-    def load_checkpoint(self, path: str) -> dict:
-        """Load a checkpoint written under any layout into this rank's freshly set-up state."""
-        return self.checkpointer.load(path, self.program, self.engine, self.scheduler)
-
-    @ray.method(num_returns=2)
-    def save_peer_copy(self) -> tuple[int, dict[str, np.ndarray]]:
-        """(optimizer steps held, this rank's part of a checkpoint as bytes): the driver keeps the
-        bytes in Ray's object store, a copy on another node (elastic.peer_copy_every)."""
-        return self.scheduler.last_epoch, save_to_bytes(self.checkpointer, self.program, self.engine, self.scheduler)
-
-    def load_peer_copy(self, *parts: dict[str, np.ndarray]) -> dict:
-        """Load every rank's save_peer_copy() parts (written under any layout) into this rank."""
-        return load_from_bytes(self.checkpointer, parts, self.program, self.engine, self.scheduler)
 
     # -- inspection -------------------------------------------------------------------------
 

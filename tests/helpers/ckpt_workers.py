@@ -4,7 +4,10 @@ worker processes with the helpers package)."""
 from __future__ import annotations
 
 import os
+import threading
 import time
+
+import ray
 
 from raymp.runtime.worker import Worker
 
@@ -126,3 +129,15 @@ class EndlessStepWorker(Worker):
                 self.program.meter.on_activation()
                 time.sleep(0.01)
         return super()._train_step(step)
+
+
+class HoldsBackPeerCopyWorker(Worker):
+    """Rank 1 never hands its part of the peer copy of step 3 over (the call waits for ever, on
+    the actor's "copies" thread, beside the steps), as a rank lost before its part reached the
+    object store leaves that copy."""
+
+    @ray.method(num_returns=2, concurrency_group="copies")
+    def finish_peer_copy(self, step: int):
+        if self.rank == 1 and step == 3:
+            threading.Event().wait()
+        return super().finish_peer_copy(step)

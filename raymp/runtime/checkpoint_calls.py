@@ -1,0 +1,49 @@
+"""A rank's checkpoint calls: saving and loading its part on storage, and its side of a peer copy
+(elastic.peer_copy_every). A base of raymp.runtime.worker.Worker, which owns the state they act on
+(checkpointer, peer_copy, program, engine, scheduler, cfg)."""
+
+from __future__ import annotations
+
+import numpy as np
+import ray
+
+from raymp.checkpoint.in_memory import load_from_bytes
+from raymp.checkpoint.integrity import verify_files
+from raymp.checkpoint.restore import COLLECTIVE_KNOB
+
+
+class CheckpointCalls:
+    def save_checkpoint(self, path: str, step: int, async_save: bool) -> dict:
+        """Start writing this rank's part of step's checkpoint (see raymp.checkpoint)."""
+        self.peer_copy.wait_written(self.cfg.resources.collective_timeout_s, COLLECTIVE_KNOB)
+        return self.checkpointer.save(path, step, self.program, self.engine, self.scheduler, async_save)
+
+    def wait_checkpoint(self, timeout_s: float | None = None) -> dict | None:
+        """Finish the save in flight (RankCheckpointer.wait)."""
+        return self.checkpointer.wait(timeout_s)
+
+    def verify_checkpoint(self, path: str, files: dict[str, str]) -> list[str]:
+        """Problems with this rank's share of a checkpoint's files (verified before a load)."""
+        return verify_files(path, files)
+
+    def load_checkpoint(self, path: str) -> dict:
+        """Load a checkpoint written under any layout into this rank's freshly set-up state."""
+        self.peer_copy.wait_written(self.cfg.resources.collective_timeout_s, COLLECTIVE_KNOB)
+        return self.checkpointer.load(path, self.program, self.engine, self.scheduler)
+
+    def start_peer_copy(self) -> int:
+        """Stage this rank's part of a checkpoint for a peer copy and write it in the background
+        (PeerCopyWriter); returns the optimizer steps it holds."""
+        return self.peer_copy.start(self.program, self.engine, self.scheduler,
+                                    self.cfg.resources.collective_timeout_s, COLLECTIVE_KNOB)
+
+    @ray.method(num_returns=2, concurrency_group="copies")
+    def finish_peer_copy(self, step: int) -> tuple[int, dict[str, np.ndarray]]:
+        """Beside the next step: the steps held, and this rank's part of the copy of `step` as
+        bytes, once written. The driver keeps them in Ray's object store (elastic.peer_copy_every)."""
+        return self.peer_copy.finish(step, self.cfg.resources.collective_timeout_s, COLLECTIVE_KNOB)
+
+    def load_peer_copy(self, *parts: dict[str, np.ndarray]) -> dict:
+        """Load every rank's finish_peer_copy() parts (written under any layout) into this rank."""
+        self.peer_copy.wait_written(self.cfg.resources.collective_timeout_s, COLLECTIVE_KNOB)
+        return load_from_bytes(self.checkpointer, parts, self.program, self.engine, self.scheduler)
