@@ -193,7 +193,10 @@ def measure(opts) -> dict:
             "the loop's checkpoint load done). keep_survivors' next step runs at dp=1 on one actor.",
             "\"read from storage per rank\" is the size of the checkpoint the restart loaded: under DDP "
             "each rank reads all of it, on both sides. The peer-copy row of the cost table keeps no checkpoint "
-            "on storage; its copies (two of each rank's part) are in the object store.",
+            "on storage; its copies (two of each rank's part) are in the object store. A peer copy's \"blocked\" is "
+            "the ranks staging their parts in host memory; DCP writes them and the ranks hand them to the object "
+            "store (and on to the other node) in the background while the next step runs, which is what the rest "
+            "of its cost is. The simulated nodes have 1 GiB object stores (cluster_utils' 150 MiB spilled the copies).",
             "Ray Train registers a reported checkpoint when its controller next polls the workers (every "
             "`RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`, 2 s by default): a node lost before that restarts from the "
             "checkpoint before, or from the start; \"state from\" lists what each run restored.",

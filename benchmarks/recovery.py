@@ -81,7 +81,8 @@ def checkpoint_cost(root: str, model: str, steps: int, every: int, rounds: int) 
              f"async process every {every}": {"every": every, "async_save": "process"},
              f"blocking every {every}": {"every": every, "async_save": False},
              # elastic.peer_copy_every: no checkpoint on storage, each rank's part kept in the object store
-             f"peer copy every {every}": {"every": 0, "peer_copy_every": every}}
+             f"peer copy every {every}": {"every": 0, "peer_copy_every": every},
+             f"peer copy every {4 * every}": {"every": 0, "peer_copy_every": 4 * every}}
     times = {name: [] for name in modes}
     blocked = {name: [] for name in modes}
     size = 0

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from raymp.runtime.actor_group import PlacementError
+from raymp.runtime.simulated_cluster import OBJECT_STORE_BYTES
 from raymp.trainer import Trainer
 
 
@@ -32,6 +33,9 @@ def test_tp_groups_pack_per_node_on_a_simulated_gpu_cluster():
     assert "could not place 8 actors" in result["too_many_error"] and "groups of 2 per node" in result["too_many_error"]
     assert result["too_many_seconds"] >= 3  # it waited for its placement_timeout_s (3 s)
     assert result["gpus_free_after"] == 4  # nothing left reserved by the failed attempts
+    # Each simulated node's object store is OBJECT_STORE_BYTES, not cluster_utils' 150 MiB (peer
+    # copies spilled to disk there: docs/design.md, traps).
+    assert result["object_store_bytes"] == [OBJECT_STORE_BYTES] * 3
     # Issue 24: local data on a 0-CPU head (the shipped cluster configs) was unschedulable.
     head0 = result["zero_cpu_head"]
     assert head0["head"] not in head0["actor_nodes"]
