@@ -14,7 +14,7 @@ import shutil
 import tempfile
 import threading
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 
 import numpy as np
@@ -66,10 +66,9 @@ class PeerCopyWriter:
         if future is None:
             raise RuntimeError(f"no peer copy of step {step} is in flight on this rank (its process group was re-formed)")
         try:
-            try:
-                future.result(timeout=timeout_s)
-            except FutureTimeout:
-                raise TimeoutError(f"the peer copy of step {step} was still writing after {timeout_s:g}s ({knob})") from None
+            if not futures_wait([future], timeout=timeout_s).done:
+                raise _still_writing(step, timeout_s, knob)
+            future.result()  # the write's error, if it failed
             return step, {f.name: np.fromfile(f, dtype=np.uint8) for f in Path(scratch).iterdir() if f.is_file()}
         finally:
             with self._lock:
@@ -77,16 +76,12 @@ class PeerCopyWriter:
             shutil.rmtree(scratch, ignore_errors=True)
 
     def wait_written(self, timeout_s: float, knob: str) -> None:
-        """Until every copy's write has ended (a failed one is finish()'s to report)."""
+        """Until every copy's write has ended, at most timeout_s (a failed one is finish()'s to report)."""
         with self._lock:
-            writes = list(self._writes.items())
-        for step, (_, future) in writes:
-            try:
-                future.result(timeout=timeout_s)
-            except FutureTimeout:
-                raise TimeoutError(f"the peer copy of step {step} was still writing after {timeout_s:g}s ({knob})") from None
-            except BaseException:
-                pass
+            writes = dict(self._writes)
+        late = futures_wait([future for _, future in writes.values()], timeout=timeout_s).not_done
+        if late:
+            raise _still_writing(next(step for step, (_, f) in writes.items() if f in late), timeout_s, knob)
 
     def discard(self) -> None:
         """Forget the copies in flight: the group they are written on is gone, so their writes
@@ -95,6 +90,10 @@ class PeerCopyWriter:
             writes, self._writes = list(self._writes.values()), {}
         for scratch, future in writes:
             future.add_done_callback(lambda _, scratch=scratch: shutil.rmtree(scratch, ignore_errors=True))
+
+
+def _still_writing(step: int, timeout_s: float, knob: str) -> TimeoutError:
+    return TimeoutError(f"the peer copy of step {step} was still writing after {timeout_s:g}s ({knob})")
 
 
 def load_from_bytes(checkpointer, parts, program, engine, scheduler) -> dict:
