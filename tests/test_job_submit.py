@@ -214,7 +214,7 @@ def test_submit_follow_stop_and_check_mlflow(ray_head, tmp_path, data_cache):
     exp = client.get_experiment_by_name("job-test")
     runs = {r.info.status: r for r in client.search_runs([exp.experiment_id])}
 
-    assert set(runs) == {"FINISHED", "KILLED"}, runs.keys()
+    assert set(runs) == {"FINISHED", "KILLED"}, (runs.keys(), ray_cli(env, "job", "logs", "raymp-stop").stdout[-3000:])
     # The stopped job kept a committed checkpoint, whole (it exports), tied to its MLflow run.
     from raymp.checkpoint.export import consolidated_weights
     from raymp.checkpoint.store import CheckpointStore

@@ -100,17 +100,21 @@ class RunTracking:
             self.tracker.log_artifact(path)
 
     def finish(self, status: str, history: list[dict], run_name: str, latest, complete: bool) -> None:
-        """The loss curve and where the last checkpoint is, then the run's end status."""
+        """What a resume and `raymp runs` read (the last checkpoint, the throughput), then the
+        run's end status, and only then the loss curve: a stopped run may be killed soon after
+        (`ray job stop` sends SIGKILL RAY_JOB_STOP_WAIT_TIME_S after SIGTERM, 3 s by default), and
+        drawing the figure costs seconds of CPU on a busy machine (CI once found the run still
+        RUNNING after the job had stopped)."""
         try:
             if history:
-                self.tracker.log_figure(loss_figure(history, run_name), "loss_curve.png")
-                # What `raymp runs` and the compare view show as the run's throughput.
                 self.tracker.log_metrics(history[-1]["step"], {
                     "tokens_per_s_median": steady_median(history, "tokens_per_s")}, final=True)
             if latest is not None:
                 self.tracker.set_tags({"raymp.checkpoint": latest.path, "raymp.checkpoint_step": str(latest.step)})
         finally:
-            self.tracker.finish(status, complete=complete)
+            self.tracker.finish(status, complete=complete)  # flushes the metrics first
+        if history:
+            self.tracker.log_figure(loss_figure(history, run_name), "loss_curve.png")
 
     def close(self, complete: bool) -> None:
         self.tracker.finish("FINISHED", complete=complete)
