@@ -34,19 +34,20 @@ def test_the_writer_waits_for_a_copy_s_write_and_names_the_knob_when_it_runs_lat
     """PeerCopyWriter's rules, with its writes stood in for: a DCP call on the checkpoint group
     waits for a copy's write; one past its bound says which copy and which knob; a failed write
     is finish()'s error; every scratch directory goes."""
-    writer = PeerCopyWriter(checkpointer=None)
+    writer = PeerCopyWriter(checkpointer=None, timeout_s=0.01)
     writing, failed = Future(), Future()
     failed.set_exception(RuntimeError("disk full"))
     for step, future in ((3, writing), (4, failed)):
         (tmp_path / str(step)).mkdir()
         writer._writes[step] = (str(tmp_path / str(step)), future)
-    with pytest.raises(TimeoutError, match=r"peer copy of step 3 was still writing after 0.01s \(a.knob\)"):
-        writer.wait_written(0.01, "a.knob")  # the write never ends: the bound ends the wait
+    with pytest.raises(TimeoutError, match=r"peer copy of step 3 was still writing after 0.01s "
+                                           r"\(resources.collective_timeout_s\)"):
+        writer.wait_written()  # the write never ends: the bound ends the wait
     with pytest.raises(RuntimeError, match="disk full"):
-        writer.finish(4, 0.01, "a.knob")
+        writer.finish(4)
     assert not (tmp_path / "4").exists() and list(writer._writes) == [3]
     with pytest.raises(RuntimeError, match="no peer copy of step 4 is in flight"):
-        writer.finish(4, 0.01, "a.knob")
+        writer.finish(4)
     writer.discard()
     assert writer._writes == {} and (tmp_path / "3").exists()  # still being written
     writing.set_result(None)

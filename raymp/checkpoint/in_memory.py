@@ -19,11 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from raymp.checkpoint.rank_state import AlreadyStaged, save_state
+from raymp.checkpoint.rank_state import save_in_background, save_state
+from raymp.checkpoint.restore import COLLECTIVE_KNOB
 
 
 class PeerCopyWriter:
@@ -32,25 +32,24 @@ class PeerCopyWriter:
     finish(), queued at once on the actor's "copies" thread, hands the files over as arrays when
     the write is done, while the next step runs. Every DCP call on the checkpoint group (a copy,
     a checkpoint save or load) waits first for the copy's write: their collectives must not
-    interleave."""
+    interleave. Each wait is bounded by the checkpoint group's collective timeout (timeout_s),
+    whose knob its error names."""
 
-    def __init__(self, checkpointer):
-        self.checkpointer = checkpointer
+    def __init__(self, checkpointer, timeout_s: float):
+        self.checkpointer, self.timeout_s = checkpointer, timeout_s
         self._lock = threading.Lock()  # start() runs on the actor's main thread, finish() on "copies"
         self._writes: dict[int, tuple[str, Future]] = {}  # step -> (scratch directory, its write)
 
-    def start(self, program, engine, scheduler, timeout_s: float, knob: str) -> int:
+    def start(self, program, engine, scheduler) -> int:
         """Start a copy of the state now; returns the optimizer steps it holds."""
-        self.wait_written(timeout_s, knob)
+        self.wait_written()
         step = scheduler.last_epoch
         sd = save_state(program, engine, scheduler, self.checkpointer.rank)
         scratch = tempfile.mkdtemp(prefix="raymp-peer-copy-")
         try:
             # Scratch read back soon: no fsync (it cost more than the write).
-            future = dcp.async_save(sd, storage_writer=FileSystemWriter(scratch, sync_files=False),
-                                    process_group=self.checkpointer.group, async_stager=AlreadyStaged(),
-                                    async_checkpointer_type=AsyncCheckpointerType.THREAD)
-            future = getattr(future, "upload_completion", future)
+            future = save_in_background(sd, FileSystemWriter(scratch, sync_files=False), self.checkpointer.group,
+                                        AsyncCheckpointerType.THREAD)
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
             raise
@@ -58,7 +57,7 @@ class PeerCopyWriter:
             self._writes[step] = (scratch, future)
         return step
 
-    def finish(self, step: int, timeout_s: float, knob: str) -> tuple[int, dict[str, np.ndarray]]:
+    def finish(self, step: int) -> tuple[int, dict[str, np.ndarray]]:
         """(steps held, file name -> bytes as a uint8 array: Ray moves arrays in and out of its
         object store without a pickle copy) once the copy of `step` is written."""
         with self._lock:
@@ -66,8 +65,8 @@ class PeerCopyWriter:
         if future is None:
             raise RuntimeError(f"no peer copy of step {step} is in flight on this rank (its process group was re-formed)")
         try:
-            if not futures_wait([future], timeout=timeout_s).done:
-                raise _still_writing(step, timeout_s, knob)
+            if not futures_wait([future], timeout=self.timeout_s).done:
+                raise self._still_writing(step)
             future.result()  # the write's error, if it failed
             return step, {f.name: np.fromfile(f, dtype=np.uint8) for f in Path(scratch).iterdir() if f.is_file()}
         finally:
@@ -75,13 +74,13 @@ class PeerCopyWriter:
                 self._writes.pop(step, None)
             shutil.rmtree(scratch, ignore_errors=True)
 
-    def wait_written(self, timeout_s: float, knob: str) -> None:
+    def wait_written(self) -> None:
         """Until every copy's write has ended, at most timeout_s (a failed one is finish()'s to report)."""
         with self._lock:
             writes = dict(self._writes)
-        late = futures_wait([future for _, future in writes.values()], timeout=timeout_s).not_done
+        late = futures_wait([future for _, future in writes.values()], timeout=self.timeout_s).not_done
         if late:
-            raise _still_writing(next(step for step, (_, f) in writes.items() if f in late), timeout_s, knob)
+            raise self._still_writing(next(step for step, (_, f) in writes.items() if f in late))
 
     def discard(self) -> None:
         """Forget the copies in flight: the group they are written on is gone, so their writes
@@ -91,9 +90,9 @@ class PeerCopyWriter:
         for scratch, future in writes:
             future.add_done_callback(lambda _, scratch=scratch: shutil.rmtree(scratch, ignore_errors=True))
 
-
-def _still_writing(step: int, timeout_s: float, knob: str) -> TimeoutError:
-    return TimeoutError(f"the peer copy of step {step} was still writing after {timeout_s:g}s ({knob})")
+    def _still_writing(self, step: int) -> TimeoutError:
+        return TimeoutError(f"the peer copy of step {step} was still writing after {self.timeout_s:g}s "
+                            f"({COLLECTIVE_KNOB})")
 
 
 def load_from_bytes(checkpointer, parts, program, engine, scheduler) -> dict:

@@ -27,6 +27,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -138,6 +139,15 @@ class AlreadyStaged:
         pass
 
 
+def save_in_background(sd: dict, storage_writer, group, writer_kind: AsyncCheckpointerType) -> Future:
+    """DCP's async_save of a state dict save_state() has already copied to host memory; the
+    future ends when the files are written (torch 2.13 returns an object whose
+    upload_completion is that future, older versions the future itself)."""
+    future = dcp.async_save(sd, storage_writer=storage_writer, process_group=group,
+                            async_stager=AlreadyStaged(), async_checkpointer_type=writer_kind)
+    return getattr(future, "upload_completion", future)
+
+
 class RankCheckpointer:
     """Saves and loads this rank's part; keeps at most one background save in flight."""
 
@@ -177,9 +187,7 @@ class RankCheckpointer:
             start_writer_process(self.group)
         if async_save:
             try:
-                future = dcp.async_save(sd, storage_writer=writer, process_group=self.group,
-                                        async_stager=AlreadyStaged(), async_checkpointer_type=WRITERS[async_save])
-                future = getattr(future, "upload_completion", future)
+                future = save_in_background(sd, writer, self.group, WRITERS[async_save])
             except BaseException as exc:
                 future = _failed(exc)
             future.add_done_callback(hash_files)

@@ -9,13 +9,12 @@ import ray
 
 from raymp.checkpoint.in_memory import load_from_bytes
 from raymp.checkpoint.integrity import verify_files
-from raymp.checkpoint.restore import COLLECTIVE_KNOB
 
 
 class CheckpointCalls:
     def save_checkpoint(self, path: str, step: int, async_save: bool) -> dict:
         """Start writing this rank's part of step's checkpoint (see raymp.checkpoint)."""
-        self.peer_copy.wait_written(self.cfg.resources.collective_timeout_s, COLLECTIVE_KNOB)
+        self.peer_copy.wait_written()
         return self.checkpointer.save(path, step, self.program, self.engine, self.scheduler, async_save)
 
     def wait_checkpoint(self, timeout_s: float | None = None) -> dict | None:
@@ -28,22 +27,21 @@ class CheckpointCalls:
 
     def load_checkpoint(self, path: str) -> dict:
         """Load a checkpoint written under any layout into this rank's freshly set-up state."""
-        self.peer_copy.wait_written(self.cfg.resources.collective_timeout_s, COLLECTIVE_KNOB)
+        self.peer_copy.wait_written()
         return self.checkpointer.load(path, self.program, self.engine, self.scheduler)
 
     def start_peer_copy(self) -> int:
         """Stage this rank's part of a checkpoint for a peer copy and write it in the background
         (PeerCopyWriter); returns the optimizer steps it holds."""
-        return self.peer_copy.start(self.program, self.engine, self.scheduler,
-                                    self.cfg.resources.collective_timeout_s, COLLECTIVE_KNOB)
+        return self.peer_copy.start(self.program, self.engine, self.scheduler)
 
     @ray.method(num_returns=2, concurrency_group="copies")
     def finish_peer_copy(self, step: int) -> tuple[int, dict[str, np.ndarray]]:
         """Beside the next step: the steps held, and this rank's part of the copy of `step` as
         bytes, once written. The driver keeps them in Ray's object store (elastic.peer_copy_every)."""
-        return self.peer_copy.finish(step, self.cfg.resources.collective_timeout_s, COLLECTIVE_KNOB)
+        return self.peer_copy.finish(step)
 
     def load_peer_copy(self, *parts: dict[str, np.ndarray]) -> dict:
         """Load every rank's finish_peer_copy() parts (written under any layout) into this rank."""
-        self.peer_copy.wait_written(self.cfg.resources.collective_timeout_s, COLLECTIVE_KNOB)
+        self.peer_copy.wait_written()
         return load_from_bytes(self.checkpointer, parts, self.program, self.engine, self.scheduler)

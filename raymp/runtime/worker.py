@@ -18,7 +18,6 @@ import torch.distributed as dist
 from raymp.checkpoint.in_memory import PeerCopyWriter
 from raymp.checkpoint.rank_state import RankCheckpointer, host_state, load_host_state
 from raymp.checkpoint.rank_state import clean_name as _clean
-from raymp.checkpoint.restore import COLLECTIVE_KNOB
 from raymp.data.stream import ReplicaStream
 from raymp.layout import device_mesh
 from raymp.models import model_spec
@@ -88,7 +87,7 @@ class Worker(CheckpointCalls):
             rank, world_size, dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
         if self.peer_copy is not None:
             self.peer_copy.discard()  # written on a group that is gone
-        self.peer_copy = PeerCopyWriter(self.checkpointer)
+        self.peer_copy = PeerCopyWriter(self.checkpointer, timeout_s)
 
     @ray.method(concurrency_group="control")
     def abandon_step(self, formation: tuple[str, int]) -> bool:
@@ -135,7 +134,7 @@ class Worker(CheckpointCalls):
         another config without restarting processes."""
         if self.checkpointer is not None:
             self.checkpointer.wait()  # a save of the previous set-up still writing
-            self.peer_copy.wait_written(cfg.resources.collective_timeout_s, COLLECTIVE_KNOB)  # a copy of it
+            self.peer_copy.wait_written()  # a copy of it
         self._drop_model()  # the previous set-up's model goes first
         self.cfg, dims = cfg, cfg.parallel.layout
         self.coords = dims.coords(self.rank)
