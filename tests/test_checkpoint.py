@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from pathlib import Path
 
 import pytest
+import ray
 import torch
 
 from raymp import Trainer
@@ -222,6 +224,10 @@ def test_a_writer_process_saves_sharded_state_that_resumes_exactly(tmp_path, dat
     with Trainer(cfg, actor_group=group2, progress=False) as t:
         whole = t.fit()
     assert [c.step for c in CheckpointStore(str(tmp_path / "ck")).committed()] == [2, 4]
+    # Each writer's log is in Ray's log directory of the session, beside the rank's own logs.
+    context = ray.get_runtime_context()
+    logs = Path(context.get_temp_dir(), context.get_session_name(), "logs")
+    assert all((logs / f"raymp-checkpoint-writer-{n['pid']}.log").is_file() for n in group2.nodes)
     cfg["checkpoint"]["resume"] = str(tmp_path / "ck" / "step-00000002")
     with Trainer(cfg, actor_group=group2, progress=False) as t:
         assert t.setup().global_step == 2

@@ -13,6 +13,7 @@ import os
 import sys
 import tempfile
 
+import ray
 from torch.distributed.checkpoint import _async_process_executor
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -26,7 +27,7 @@ def start_writer_process(group) -> None:
     the child logs at INFO on every save (four lines per rank), which Ray prints on the driver."""
     if _async_process_executor._CHECKPOINT_PROCESS is not None:
         return
-    log_path = os.path.join(tempfile.gettempdir(), f"raymp-checkpoint-writer-{os.getpid()}.log")
+    log_path = os.path.join(_log_dir(), f"raymp-checkpoint-writer-{os.getpid()}.log")
     sys.stderr.flush()
     kept = os.dup(2)
     try:
@@ -38,6 +39,16 @@ def start_writer_process(group) -> None:
     finally:
         os.dup2(kept, 2)
         os.close(kept)
+
+
+def _log_dir() -> str:
+    """Ray's log directory of this node's session (where `ray logs` and the dashboard find it, and
+    which goes with the session), or the temp directory outside Ray."""
+    if not ray.is_initialized():
+        return tempfile.gettempdir()
+    context = ray.get_runtime_context()
+    path = os.path.join(context.get_temp_dir(), context.get_session_name(), "logs")
+    return path if os.path.isdir(path) else tempfile.gettempdir()
 
 
 def close_writer_process() -> None:
