@@ -20,13 +20,16 @@ from raymp.runtime.simulated_cluster import SimulatedCluster
 KILL_AFTER, EVERY, STEPS = 6, 4, 14
 
 
-RAYMP_MODES = {  # row -> (elastic section, both ranks on one node)
-    "raymp restart": ({}, True),
+RAYMP_MODES = {  # row -> (elastic section, both ranks on one node, a replacement node added at the loss)
+    "raymp restart": ({}, True, True),
     # the same restart, but each rank's part of the state is also kept in the object store on the
     # other node after every step (elastic.peer_copy_every): the restart loads that, not the checkpoint
-    "raymp peer-memory restore": ({"peer_copy_every": 1}, True),
+    "raymp peer-memory restore": ({"peer_copy_every": 1}, True, True),
     # one rank per node, so one survives with its state (grow_back off: the row is the recovery alone)
-    "raymp keep_survivors": ({"keep_survivors": True, "grow_back": False}, False),
+    "raymp keep_survivors": ({"keep_survivors": True, "grow_back": False}, False, True),
+    # the same without the replacement node: its raylet and idle workers start on this machine's two
+    # cores, beside the survivor's recovery; on a real cluster they boot on another machine
+    "raymp keep_survivors, no replacement node": ({"keep_survivors": True, "grow_back": False}, False, False),
 }
 
 
@@ -35,8 +38,8 @@ def _raymp_recovery(cluster, root: str, rep: int, row: str) -> dict:
     from raymp.elastic.peer_copies import PEER_MEMORY
     from raymp.trainer import Trainer
 
-    elastic, _ = RAYMP_MODES[row]
-    tag = row.split()[-1]
+    elastic, _, replacement = RAYMP_MODES[row]
+    tag = "-".join(row.replace(",", "").split()[1:])
     cfg = run_config(f"elastic-{tag}-{rep}", f"{root}/runs", dp=2, zero=0, steps=STEPS, cpus_per_actor=1.5,
                      checkpoint={"every": EVERY, "dir": f"{root}/raymp-ck-{tag}-{rep}"}, elastic=elastic)
     trainer = Trainer(config_from_dict(cfg), progress=False)
@@ -46,7 +49,7 @@ def _raymp_recovery(cluster, root: str, rep: int, row: str) -> dict:
     while len(trainer.history) < KILL_AFTER:
         time.sleep(0.01)
     victim_id = trainer.group.nodes[0]["node_id"]
-    killed = _remove(cluster, victim_id)
+    killed = _remove(cluster, victim_id, replacement)
     thread.join()
     (event,) = trainer.restarts
     after = min(m["finished_at"] for m in trainer.history if m["finished_at"] > killed)
@@ -123,10 +126,11 @@ def _read(path: str, event: str) -> list[dict]:
         return [r for line in f if line.strip() and (r := json.loads(line)).get("event") == event]
 
 
-def _remove(cluster, node_id: str) -> float:
+def _remove(cluster, node_id: str, replacement: bool = True) -> float:
     killed = time.time()
     cluster.remove(node_id)
-    cluster.add(3, wait=False)  # a replacement joins, as an autoscaler would bring one
+    if replacement:
+        cluster.add(3, wait=False)  # a replacement joins, as an autoscaler would bring one
     return killed
 
 
@@ -141,7 +145,7 @@ def measure(opts) -> dict:
         cfg = run_config("elastic", f"{root}/runs", dp=2, zero=0, steps=STEPS, cpus_per_actor=1.5)
         batches, vocab = global_batches(cfg)
         for rep in range(opts.reps):
-            for row, (_, one_node) in RAYMP_MODES.items():
+            for row, (_, one_node, _) in RAYMP_MODES.items():
                 cluster.resize(2, 3 if one_node else 2)  # 2-CPU nodes hold one rank each
                 runs[row].append(_raymp_recovery(cluster, root, rep, row))
             cluster.resize(2, 3)
@@ -175,7 +179,7 @@ def measure(opts) -> dict:
                   "so each rank's part of the state is also in the object store of the other node, and the restart "
                   "loads that. raymp keep_survivors: `elastic.keep_survivors` on two 2-CPU nodes, one rank each; "
                   "the node of rank 0 is removed and rank 1 goes on alone with its state in memory (grow_back off, "
-                  "so the row is the recovery alone). Ray Train: `FailureConfig(max_failures=1)`, the loop resumes "
+                  "so the row is the recovery alone); its second row adds no replacement node. Ray Train: `FailureConfig(max_failures=1)`, the loop resumes "
                   f"from `ray.train.get_checkpoint()` (rank 0 saves a torch state dict). {opts.reps} runs each, "
                   "alternating."),
         "columns": ["run", "node lost -> next step (s)", "runs (s)", "node lost -> resumed (s)", "steps redone",
@@ -191,6 +195,10 @@ def measure(opts) -> dict:
             "\"node lost -> next step\" is the time from `remove_node` to the first training step completed "
             "after it; \"resumed\" is when training state was restored (raymp: its restart done; Ray Train: "
             "the loop's checkpoint load done). keep_survivors' next step runs at dp=1 on one actor.",
+            "The replacement node (3 CPUs) starts on the same two cores as the run: its raylet and the idle "
+            "workers Ray starts on it compete with the recovery, which a real cluster's new machine would not. "
+            "keep_survivors does not need it (grow_back off), so its second row leaves it out: that row is "
+            "raymp's own recovery path.",
             "\"read from storage per rank\" is the size of the checkpoint the restart loaded: under DDP "
             "each rank reads all of it, on both sides. The peer-copy row of the cost table keeps no checkpoint "
             "on storage; its copies (two of each rank's part) are in the object store. A peer copy's \"blocked\" is "
