@@ -20,16 +20,18 @@ from raymp.runtime.simulated_cluster import SimulatedCluster
 KILL_AFTER, EVERY, STEPS = 6, 4, 14
 
 
+# one rank per node, so one survives with its state (grow_back off: the row is the recovery alone)
+SURVIVORS = {"keep_survivors": True, "grow_back": False}
+
 RAYMP_MODES = {  # row -> (elastic section, both ranks on one node, a replacement node added at the loss)
     "raymp restart": ({}, True, True),
     # the same restart, but each rank's part of the state is also kept in the object store on the
     # other node after every step (elastic.peer_copy_every): the restart loads that, not the checkpoint
     "raymp peer-memory restore": ({"peer_copy_every": 1}, True, True),
-    # one rank per node, so one survives with its state (grow_back off: the row is the recovery alone)
-    "raymp keep_survivors": ({"keep_survivors": True, "grow_back": False}, False, True),
+    "raymp keep_survivors": (SURVIVORS, False, True),
     # the same without the replacement node: its raylet and idle workers start on this machine's two
     # cores, beside the survivor's recovery; on a real cluster they boot on another machine
-    "raymp keep_survivors, no replacement node": ({"keep_survivors": True, "grow_back": False}, False, False),
+    "raymp keep_survivors, no replacement node": (SURVIVORS, False, False),
 }
 
 
@@ -179,7 +181,8 @@ def measure(opts) -> dict:
                   "so each rank's part of the state is also in the object store of the other node, and the restart "
                   "loads that. raymp keep_survivors: `elastic.keep_survivors` on two 2-CPU nodes, one rank each; "
                   "the node of rank 0 is removed and rank 1 goes on alone with its state in memory (grow_back off, "
-                  "so the row is the recovery alone); its second row adds no replacement node. Ray Train: `FailureConfig(max_failures=1)`, the loop resumes "
+                  "so the row is the recovery alone); its second row adds no replacement node. Ray Train: "
+                  "`FailureConfig(max_failures=1)`, the loop resumes "
                   f"from `ray.train.get_checkpoint()` (rank 0 saves a torch state dict). {opts.reps} runs each, "
                   "alternating."),
         "columns": ["run", "node lost -> next step (s)", "runs (s)", "node lost -> resumed (s)", "steps redone",
