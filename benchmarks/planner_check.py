@@ -1,11 +1,13 @@
 """9. The planner's step-time estimates against measured step times, on this machine's CPU actors.
 
-The planner (raymp/planner.py: step_seconds) is calibrated from three measurements, none of them
-a layout it is then judged on: the FLOP/s of one actor training `small` alone (its compute
+The planner (raymp/step_time.py: step_seconds) prices a layout from three measurements, none of
+them a layout it is then judged on: the FLOP/s of one actor training `small` alone (its compute
 rate), and gloo's bandwidth and per-message latency between two actors (all-reduces of 16 MiB and
-of 4 bytes). It then estimates every world-2 layout below; each is trained and timed on the same
-actors. The table gives the error per layout and whether the estimate ranks the layouts as the
-measurements do (Spearman's rank correlation)."""
+of 4 bytes). Calibrated, it also scales each mechanism's price by a cost factor measured on the
+same layouts at a smaller global batch. It then estimates every world-2 layout below at the
+judged batch; each is trained and timed on the same actors. The table gives the error per layout
+and whether the estimates rank the layouts as the measurements do (Spearman's rank correlation),
+priced and calibrated."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ LAYOUTS = {
     "cp2": dict(cp=2),
 }
 GLOBAL_BATCH, SEQ_LEN = 16, 128
+CALIBRATION_BATCH = 8  # the cost factors are measured at this global batch, the judged runs at GLOBAL_BATCH
 
 
 @ray.remote(num_cpus=1)
@@ -74,24 +77,36 @@ def _measured_step(cfg: dict, group) -> tuple[float, float]:
     return median(steady(run["step_times"])), run["losses"][-1]
 
 
-def _spearman(a: list[float], b: list[float]) -> float:
-    def ranks(xs):
-        order = sorted(range(len(xs)), key=xs.__getitem__)
-        out = [0] * len(xs)
-        for rank, i in enumerate(order):
-            out[i] = rank
-        return out
+def _layouts(out: str, common: dict, global_batch: int):
+    """(name, run config, layout) of every judged layout at this global batch."""
+    from raymp.config import config_from_dict
 
-    ra, rb = ranks(a), ranks(b)
+    for name, parallel in LAYOUTS.items():
+        extra = {k: v for k, v in parallel.items() if k not in ("dp", "pp", "zero", "micro_batch_size")}
+        run = run_config(f"planner-{name}-{global_batch}", out,
+                         **{**common, "global_batch": global_batch, "micro_batch": parallel.get("micro_batch_size", 4)},
+                         dp=parallel.get("dp", 1), pp=parallel.get("pp", 1), zero=parallel.get("zero", 0),
+                         parallel=extra)
+        yield name, run, config_from_dict(run).parallel.layout
+
+
+def _ranks(values: list[float]) -> list[int]:
+    order = sorted(range(len(values)), key=values.__getitem__)
+    return [order.index(i) + 1 for i in range(len(values))]
+
+
+def _spearman(a: list[float], b: list[float]) -> float:
     n = len(a)
-    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
+    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(_ranks(a), _ranks(b))) / (n * (n * n - 1))
 
 
 def measure(opts) -> dict:
+    from dataclasses import replace
+
     from raymp.config import config_from_dict
     from raymp.models import model_args
     from raymp.runtime.actor_group import ActorGroup
-    from raymp.step_time import Cluster, step_flops, step_seconds
+    from raymp.step_time import Cluster, calibrate_cost_factors, step_flops, step_seconds
 
     out = tempfile.mkdtemp(prefix="raymp-bench-planner-")
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
@@ -102,51 +117,67 @@ def measure(opts) -> dict:
     single_cfg = run_config("planner-dp1", out, **common)
     single_s, _ = _measured_step(single_cfg, one)
     one.shutdown()
-    cfg = config_from_dict(single_cfg)
-    args = model_args(cfg.model, 256)
+    args = model_args(config_from_dict(single_cfg).model, 256)
     flops_per_s = step_flops(args, GLOBAL_BATCH, SEQ_LEN) / single_s
-    cluster = Cluster(nodes=1, gpus_per_node=2, gpu_tflops=flops_per_s / 1e12, achievable_mfu=1.0,
-                      intra_node_gbps=gbps, inter_node_gbps=gbps, message_latency_s=latency)
+    priced = Cluster(nodes=1, gpus_per_node=2, gpu_tflops=flops_per_s / 1e12, achievable_mfu=1.0,
+                     intra_node_gbps=gbps, inter_node_gbps=gbps, message_latency_s=latency)
     group = ActorGroup(2, "cpu", cpus_per_actor=1)
-    rows, estimated, measured = [], [], []
-    for name, parallel in LAYOUTS.items():
-        extra = {k: v for k, v in parallel.items() if k not in ("dp", "pp", "zero", "micro_batch_size")}
-        run = run_config(f"planner-{name}", out, **{**common, "micro_batch": parallel.get("micro_batch_size", 4)},
-                         dp=parallel.get("dp", 1), pp=parallel.get("pp", 1), zero=parallel.get("zero", 0),
-                         parallel=extra)
-        layout = config_from_dict(run).parallel.layout
-        est = step_seconds(args, layout, cluster, GLOBAL_BATCH, SEQ_LEN, bf16=False)
+    samples = []
+    for name, run, layout in _layouts(out, common, CALIBRATION_BATCH):
+        samples.append((layout, step_seconds(args, layout, priced, CALIBRATION_BATCH, SEQ_LEN, bf16=False),
+                        _measured_step(run, group)[0]))
+    factors = calibrate_cost_factors(samples)
+    calibrated = replace(priced, cost_factors=factors)
+    rows, est_priced, est_cal, measured = [], [], [], []
+    for name, run, layout in _layouts(out, common, GLOBAL_BATCH):
+        before = step_seconds(args, layout, priced, GLOBAL_BATCH, SEQ_LEN, bf16=False)["step_s"]
+        est = step_seconds(args, layout, calibrated, GLOBAL_BATCH, SEQ_LEN, bf16=False)
         got, loss = _measured_step(run, group)
-        estimated.append(est["step_s"])
+        est_priced.append(before)
+        est_cal.append(est["step_s"])
         measured.append(got)
         comm = est["tp_comm_s"] + est["cp_comm_s"] + est["pp_comm_s"] + est["dp_comm_s"]
-        rows.append([name, f"{est['step_s'] * 1e3:.0f}", f"{est['compute_s'] * 1e3:.0f}", f"{comm * 1e3:.0f}",
-                     f"{got * 1e3:.0f}", f"{(est['step_s'] - got) / got:+.0%}", f"{loss:.4f}"])
+        rows.append([name, f"{before * 1e3:.0f}", f"{est['step_s'] * 1e3:.0f}", f"{comm * 1e3:.0f}",
+                     f"{got * 1e3:.0f}", f"{(before - got) / got:+.0%}", f"{(est['step_s'] - got) / got:+.0%}",
+                     f"{loss:.4f}"])
     group.shutdown()
     ray.shutdown()
-    est_rank = {n: i + 1 for i, n in enumerate(sorted(LAYOUTS, key=lambda n: estimated[list(LAYOUTS).index(n)]))}
-    got_rank = {n: i + 1 for i, n in enumerate(sorted(LAYOUTS, key=lambda n: measured[list(LAYOUTS).index(n)]))}
-    for row in rows:
-        row[5:5] = [str(est_rank[row[0]]), str(got_rank[row[0]])]
-    rho = _spearman(estimated, measured)
-    errors = [abs(e - m) / m for e, m in zip(estimated, measured)]
+    for row, a, b, c in zip(rows, _ranks(est_priced), _ranks(est_cal), _ranks(measured)):
+        row[7:7] = [str(a), str(b), str(c)]
+
+    def summary(estimated):
+        errors = [abs(e - m) / m for e, m in zip(estimated, measured)]
+        return f"median error {median(errors):.0%}, worst {max(errors):.0%}, rank agreement (Spearman) " \
+               f"{_spearman(estimated, measured):.2f}"
+
+    factor_text = ", ".join(f"{k} {v:.1f}" for k, v in factors.items())
     return {
         "title": "9. Planner: estimated vs measured step time, world-2 layouts",
         "setup": (f"model `small`, global batch {GLOBAL_BATCH} x {SEQ_LEN} tokens, fp32, 2 CPU actors x 1 thread, "
-                  f"median of steps 3..{steps}. Calibration (not one of the judged layouts): one actor alone "
-                  f"trains at {flops_per_s / 1e9:.1f} GFLOP/s ({single_s * 1e3:.0f} ms per step); gloo between two "
-                  f"actors: {gbps:.2f} GB/s, {latency * 1e6:.0f} us per small message. Median error "
-                  f"{median(errors):.0%}, worst {max(errors):.0%}; rank agreement (Spearman) {rho:.2f}."),
-        "columns": ["layout", "estimate (ms)", "of which compute (ms)", "of which communication (ms)",
-                    "measured (ms)", "rank by estimate", "rank measured", "error", "final loss"],
+                  f"median of steps 3..{steps}. Priced: one actor alone trains at {flops_per_s / 1e9:.1f} GFLOP/s "
+                  f"({single_s * 1e3:.0f} ms per step); gloo between two actors: {gbps:.2f} GB/s, "
+                  f"{latency * 1e6:.0f} us per small message. Calibrated: the same, with each mechanism's cost "
+                  f"factor measured on the same layouts at global batch {CALIBRATION_BATCH} (not the judged runs): "
+                  f"{factor_text}. Priced: {summary(est_priced)}. Calibrated: {summary(est_cal)}."),
+        "columns": ["layout", "priced estimate (ms)", "calibrated estimate (ms)", "of which communication (ms)",
+                    "measured (ms)", "error priced", "error calibrated", "rank priced", "rank calibrated",
+                    "rank measured", "final loss"],
         "rows": rows,
-        "raw": {"estimated_s": dict(zip(LAYOUTS, estimated)), "measured_s": dict(zip(LAYOUTS, measured)),
+        "raw": {"priced_s": dict(zip(LAYOUTS, est_priced)), "calibrated_s": dict(zip(LAYOUTS, est_cal)),
+                "measured_s": dict(zip(LAYOUTS, measured)),
                 "calibration": {"flops_per_s": flops_per_s, "gbps": gbps, "latency_s": latency,
-                                "single_step_s": single_s}},
+                                "single_step_s": single_s, "cost_factors": factors,
+                                "calibration_steps_s": {n: m for n, (_, _, m) in zip(LAYOUTS, samples)}}},
         "notes": [
-            "The planner prices compute as FLOPs at one rate for every layout, the pipeline bubble by "
-            "schedule, and each collective by bytes over bandwidth plus a per-message latency. It does not "
-            "model what a CPU actor pays besides: smaller matrices per rank under TP run below the calibrated "
-            "rate, and gloo's collectives run on the same cores as the compute (no overlap).",
+            "Priced is the planner as it prices any cluster: compute as FLOPs at one rate for every layout, the "
+            "pipeline bubble by schedule, each collective by bytes over bandwidth plus a per-message latency. "
+            "What a CPU actor pays besides (DTensor's per-op dispatch under TP and FSDP2, smaller matrices per "
+            "rank under TP, gloo's collectives on the same cores as the compute, no overlap) is what the cost "
+            "factors measure. `cluster.cost_factors` in a config gives them to `raymp plan` and `parallel: auto`.",
+            "Each factor is taken from the layouts that use its mechanism alone (measured less estimated "
+            "compute, over the mechanism's price), cp's after ddp's (cp2 also reduces gradients over its ranks).",
+            "The judged runs differ from the calibration runs in their batch only (twice the micro-batches per "
+            "rank), so this shows the factors carry over to another batch on this machine and model; across "
+            "model sizes and world sizes they are not measured here. Calibrate on the cluster and model you plan for.",
         ],
     }

@@ -3,11 +3,15 @@ FLOP/s, stretched by the pipeline bubble, plus each parallelism's communication 
 CP all-to-alls, pipeline activation sends, DDP's reduction, FSDP's gathers and reduce-scatters,
 HSDP's all-reduce across replicas), each priced by bytes over bandwidth plus a per-message
 latency. Simple on purpose: it ranks layouts for `parallel: auto`; BENCHMARKS.md (section 9)
-compares it with measured step times."""
+compares it with measured step times.
+
+Where the bytes-over-bandwidth price is off for some hardware (on CPU actors, DTensor's per-op
+dispatch and gloo running on the compute cores cost TP several times its bytes), each mechanism's
+price is scaled by a cost factor measured there (`calibrate_cost_factors`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from raymp.layout import Layout
 
@@ -31,6 +35,9 @@ class Cluster:
     # small-message latency is ~10-30 us inside a node): what makes many small messages (deep
     # pipelines and wide TP for a small model) slower than their bytes say.
     message_latency_s: float = 20e-6
+    # Measured cost of each mechanism's communication over its price here (1: as priced), by
+    # COST_TERMS key; calibrate_cost_factors measures them.
+    cost_factors: dict = field(default_factory=dict)
 
     @property
     def world(self) -> int:
@@ -39,7 +46,24 @@ class Cluster:
 
 def cluster_from_config(c) -> Cluster:
     return Cluster(c.nodes, c.gpus_per_node, c.gpu_memory_gb, c.gpu_tflops, c.intra_node_gbps,
-                   c.inter_node_gbps)
+                   c.inter_node_gbps, cost_factors=dict(c.cost_factors))
+
+
+# What each cost factor scales: the communication term of one mechanism. TP's term is "sp" when
+# sequence parallelism replaces its all-reduces; data parallelism's is "ddp" at ZeRO 0/1, "fsdp" at 2/3.
+COST_TERMS = {"ddp": "dp_comm_s", "fsdp": "dp_comm_s", "tp": "tp_comm_s", "sp": "tp_comm_s",
+              "cp": "cp_comm_s", "pp": "pp_comm_s"}
+
+
+def cost_terms(layout: Layout) -> list[str]:
+    """The COST_TERMS keys a layout pays for."""
+    keys = []
+    if layout.data_parallel_size > 1:
+        keys.append("fsdp" if layout.zero >= 2 else "ddp")
+    if layout.tp > 1:
+        keys.append("sp" if layout.sequence_parallel else "tp")
+    keys += [k for k, n in (("cp", layout.cp), ("pp", layout.pp)) if n > 1]
+    return keys
 
 
 # -- step time -----------------------------------------------------------------------------------
@@ -92,6 +116,10 @@ def step_seconds(args, layout: Layout, cluster: Cluster, global_batch: int, seq_
     dp_time = 0.0
     if layout.data_parallel_size > 1:
         dp_time = _data_parallel_seconds(args, layout, cluster, micro, act, spans_nodes)
+    terms = {"tp_comm_s": tp_time, "cp_comm_s": cp_time, "pp_comm_s": pp_time, "dp_comm_s": dp_time}
+    for key in cost_terms(layout):
+        terms[COST_TERMS[key]] *= cluster.cost_factors.get(key, 1.0)
+    tp_time, cp_time, pp_time, dp_time = terms.values()
     total = compute + tp_time + cp_time + pp_time + dp_time
     return {"step_s": total, "compute_s": compute, "tp_comm_s": tp_time, "cp_comm_s": cp_time, "pp_comm_s": pp_time,
             "dp_comm_s": dp_time,
@@ -120,3 +148,25 @@ def _data_parallel_seconds(args, layout: Layout, cluster: Cluster, micro: int, a
         rep = layout.dp_replicate
         seconds += micro * (2 * values / shards * 4 * (rep - 1) / rep / bw * 0.5 + blocks * cluster.message_latency_s)
     return seconds
+
+
+def calibrate_cost_factors(samples) -> dict[str, float]:
+    """Cost factors from measured steps: `samples` is (layout, step_seconds' estimate with no
+    factors, measured seconds) per layout. A factor is first taken from the layouts that use its
+    mechanism alone (measured time less the estimated compute, over the mechanism's price; the
+    mean where several do), then from those whose other mechanisms already have one (cp2 also
+    reduces gradients over dp x cp), so one mechanism's error is not charged to another. A
+    factor is never below 0 (a mechanism that costs nothing)."""
+    factors: dict[str, float] = {}
+    while True:
+        ratios: dict[str, list[float]] = {}
+        for layout, est, measured in samples:
+            unknown = [k for k in cost_terms(layout) if k not in factors]
+            if len(unknown) != 1 or est[COST_TERMS[unknown[0]]] <= 0:
+                continue
+            known = sum(factors[k] * est[COST_TERMS[k]] for k in cost_terms(layout) if k in factors)
+            rest = measured - est["compute_s"] - known
+            ratios.setdefault(unknown[0], []).append(rest / est[COST_TERMS[unknown[0]]])
+        if not ratios:
+            return factors
+        factors.update({k: max(0.0, sum(v) / len(v)) for k, v in ratios.items()})

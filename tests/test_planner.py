@@ -9,7 +9,7 @@ from raymp.config import ConfigError, config_from_dict
 from raymp.layout import Layout
 from raymp.models import model_args
 from raymp.planner import estimate, explain, plan, zero_model_states
-from raymp.step_time import Cluster, step_seconds
+from raymp.step_time import Cluster, calibrate_cost_factors, cluster_from_config, step_seconds
 from raymp.trainer import Trainer
 from test_cli import raymp
 
@@ -159,3 +159,43 @@ def test_plan_command():
     assert out.returncode == 0, out.stderr
     assert "70.55B parameters on 8 x 8 devices of 80 GB" in out.stdout
     assert "layouts fit. Best first:" in out.stdout and "Compared layout dp=64 pp=1 tp=1 zero=3" in out.stdout
+
+
+CALIBRATION_LAYOUTS = [Layout(dp=2), Layout(dp=2, zero=3), Layout(dp=2, zero=1, activation_checkpointing=True),
+                       Layout(pp=2, micro_batch_size=2), Layout(tp=2), Layout(tp=2, sequence_parallel=True),
+                       Layout(cp=2)]
+
+
+def test_cost_factors_scale_only_their_mechanisms_price():
+    args = _args("small", 256)
+    plain = Cluster(nodes=1, gpus_per_node=2)
+    scaled = Cluster(nodes=1, gpus_per_node=2, cost_factors={"tp": 3.0, "fsdp": 0.0})
+    a, b = (step_seconds(args, Layout(tp=2), c, 16, 128) for c in (plain, scaled))
+    assert b["tp_comm_s"] == pytest.approx(3 * a["tp_comm_s"]) and b["compute_s"] == a["compute_s"]
+    sp = step_seconds(args, Layout(tp=2, sequence_parallel=True), scaled, 16, 128)
+    assert sp["tp_comm_s"] == pytest.approx(a["tp_comm_s"])  # "sp" has no factor: as priced
+    assert step_seconds(args, Layout(dp=2, zero=3), scaled, 16, 128)["dp_comm_s"] == 0
+
+
+def test_calibration_recovers_each_mechanisms_factor_from_measured_steps():
+    """Measured steps made from known factors give those factors back: cp's from the one layout
+    that uses it, after ddp's (cp2 also reduces gradients), each mechanism's error its own."""
+    args = _args("small", 256)
+    priced = Cluster(nodes=1, gpus_per_node=2)
+    truth = {"ddp": 4.0, "fsdp": 9.0, "tp": 8.0, "sp": 13.0, "cp": 5.0, "pp": 20.0}
+    true_cluster = Cluster(nodes=1, gpus_per_node=2, cost_factors=truth)
+    samples = [(lay, step_seconds(args, lay, priced, 8, 128), step_seconds(args, lay, true_cluster, 8, 128)["step_s"])
+               for lay in CALIBRATION_LAYOUTS]
+    assert calibrate_cost_factors(samples) == pytest.approx(truth)
+    # A mechanism that cost less than its compute estimate left over is free, not negative.
+    cheap = [(lay, est, est["compute_s"] * 0.9) for lay, est, _ in samples[:1]]
+    assert calibrate_cost_factors(cheap) == {"ddp": 0.0}
+
+
+def test_a_configs_cost_factors_reach_the_planner_and_bad_ones_are_named():
+    cfg = config_from_dict({"cluster": {"nodes": 1, "gpus_per_node": 2, "cost_factors": {"tp": 8}}})
+    assert cluster_from_config(cfg.cluster).cost_factors == {"tp": 8.0}
+    with pytest.raises(ConfigError, match=r"cluster\.cost_factors.*unknown mechanism zero3.*ddp, fsdp"):
+        config_from_dict({"cluster": {"cost_factors": {"zero3": 2}}})
+    with pytest.raises(ConfigError, match=r"cluster\.cost_factors.*tp is below 0"):
+        config_from_dict({"cluster": {"cost_factors": {"tp": -1}}})

@@ -12,6 +12,7 @@ import raymp.storage as storage
 from raymp.config.rules import check_run
 from raymp.layout import SCHEDULES, Layout
 from raymp.models.presets import PRESETS
+from raymp.step_time import COST_TERMS
 
 
 class ConfigError(ValueError):
@@ -294,6 +295,20 @@ class ClusterConfig(_Strict):
     gpu_tflops: float = Field(989.0, gt=0, description="dense bf16 peak per device")
     intra_node_gbps: float = Field(450.0, gt=0, description="GB/s per device inside a node")
     inter_node_gbps: float = Field(50.0, gt=0, description="GB/s per device across nodes")
+    cost_factors: dict[str, float] = Field(
+        default_factory=dict, description="measured cost of a mechanism's communication over its "
+        f"bytes-over-bandwidth price ({', '.join(COST_TERMS)}; 1: as priced), as the planner benchmark measures it")
+
+    @field_validator("cost_factors")
+    @classmethod
+    def _known_mechanisms(cls, factors: dict[str, float]) -> dict[str, float]:
+        unknown = sorted(set(factors) - set(COST_TERMS))
+        if unknown:
+            raise ValueError(f"unknown mechanism {', '.join(unknown)}; the factors are {', '.join(COST_TERMS)}")
+        negative = sorted(k for k, v in factors.items() if v < 0)
+        if negative:
+            raise ValueError(f"{', '.join(negative)} is below 0; a factor is a cost ratio (0: free, 1: as priced)")
+        return factors
 
 
 class RunConfig(_Strict):
