@@ -122,12 +122,6 @@ class Layout:
         """How many ranks hold one whole copy of the state together (replica_of)."""
         return self.world_size // self.state_replicas
 
-    @property
-    def collectives_inside_a_copy(self) -> bool:
-        """Whether the ranks of one copy of the state (replica_of) run collectives among
-        themselves mid-step (TP, CP, an HSDP group's ZeRO shards), beyond pp's point-to-point."""
-        return self.ranks_per_copy > self.pp
-
     def replica_of(self, rank: int) -> list[int]:
         """The ranks that hold one whole copy of the state with `rank`: contiguous, as dp (and
         dp_replicate in it) is the outermost mesh dimension."""

@@ -183,8 +183,3 @@ def test_whole_replicas_are_those_every_rank_of_which_survived():
     assert hsdp.state_replicas == 2 and hsdp.replica_of(1) == [0, 1] and hsdp.whole_replicas([1, 2, 3]) == [[2, 3]]
     assert hsdp.keeping(1) == {"dp": 2, "dp_replicate": 1} and Layout(dp=4).keeping(3) == {"dp": 3}
     assert Layout(dp=4, zero=3).state_replicas == 1 and Layout(dp=4).state_replicas == 4
-    # Whether a copy's own ranks run collectives among themselves mid-step (then its survivors are
-    # not told to drop a failed step: one may wait on another in such a collective).
-    assert not any(lay.collectives_inside_a_copy for lay in (Layout(dp=4), Layout(dp=2, pp=2)))
-    assert all(lay.collectives_inside_a_copy for lay in (Layout(dp=2, tp=2), Layout(dp=2, cp=2), hsdp,
-                                                         Layout(dp=2, zero=3), Layout(dp=2, pp=2, tp=2)))

@@ -130,9 +130,7 @@ class Session:
         """Every live rank drops its failed step at once (abandon_steps) and copies its state to
         host memory: rank -> optimizer steps its state holds. The lost rank's replica can no
         longer go on: its other ranks are let go at once, so none of their peers waits on them."""
-        if not self.config.parallel.layout.collectives_inside_a_copy:
-            # Else a peer of the rank's own copy may wait on it in a collective (docs/design.md, traps).
-            self._unread += self.group.abandon_steps()
+        self._unread += self.group.abandon_steps()
         if lost_rank is not None and self.config.parallel.layout.state_replicas > 1:  # else: the whole group
             self.group.let_go(self.config.parallel.layout.replica_of(lost_rank))
         kept = self.group.survivors("keep_state", self.config.resources.collective_timeout_s,

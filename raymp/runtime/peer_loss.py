@@ -10,6 +10,7 @@ call (keeping its state, re-forming the group)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 
 import torch.distributed as dist
 
@@ -32,16 +33,32 @@ def is_peer_loss(error: BaseException | None) -> bool:
     return False
 
 
-def leave_process_groups() -> None:
+def leave_process_groups(meshes: Iterable = ()) -> None:
     """Shut every process group of this process down (they are unusable once a peer is gone).
     Measured on gloo: a peer waiting on a rank that called ProcessGroupGloo.abort() waited for the
     whole timeout; on one that destroyed its groups, it failed at once. The connections close only
-    when nothing holds the group any more: drop the model (DDP's reducer, the pipeline), the
-    optimizer and any cached DeviceMesh first. DCP's writer process (async_save: process) is in a
-    group of its own with the old ranks, so it goes too."""
+    when nothing holds the group any more: drop the model (DDP's reducer, the pipeline) and the
+    optimizer first, and let go of the groups `meshes` hold (release_mesh_groups). DCP's writer
+    process (async_save: process) is in a group of its own with the old ranks, so it goes too."""
+    release_mesh_groups(meshes)
     close_writer_process()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def release_mesh_groups(meshes: Iterable) -> None:
+    """Empty each DeviceMesh's (and its root's) registry of process groups. A mesh keeps its
+    groups there (torch.compile looks them up by name), and DTensor's sharding-propagation and
+    redistribution caches keep every mesh they saw alive, beyond the model's life: so a rank
+    that left its groups under TP or FSDP2 kept their sockets open, and a peer inside a collective
+    with it waited out the whole timeout. Measured in two gloo processes after one TP step: the
+    peer waited 20 s of 20 with the registry kept, failed at once with it emptied. (The registry
+    is private to torch; where a version has none, there is nothing to empty.)"""
+    for mesh in meshes:
+        for m in (mesh, getattr(mesh, "_root_mesh", None)):
+            registry = getattr(m, "_pg_registry", None)
+            if isinstance(registry, dict):
+                registry.clear()
 
 
 class StepAbandoned(dist.DistError):

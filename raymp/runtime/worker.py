@@ -14,6 +14,10 @@ import numpy as np
 import ray
 import torch
 import torch.distributed as dist
+# Imported before any process group exists: its functions take `group.WORLD` as a default argument
+# when first imported, and would keep a group of a later import alive after it is destroyed (so a
+# peer of a rank that left it waits out the timeout; docs/design.md, traps).
+import torch.distributed.nn  # noqa: F401
 
 from raymp.checkpoint.in_memory import PeerCopyWriter
 from raymp.checkpoint.rank_state import RankCheckpointer, host_state, load_host_state
@@ -106,7 +110,7 @@ class Worker(CheckpointCalls):
     def rejoin(self, rank: int, world_size: int, addr: str, port: int, backend: str, timeout_s: float) -> None:
         """Leave the broken process group (a peer is gone) and join the survivors' new one."""
         self._drop_model()
-        leave_process_groups()
+        leave_process_groups(self._mesh_objects())
         self._meshes, self.broken = {}, False
         self.init_distributed(rank, world_size, addr, port, backend, timeout_s)
 
@@ -118,6 +122,10 @@ class Worker(CheckpointCalls):
         rank that joined, the copy of the live peer that holds the same part (kept_state)."""
         load_host_state(self._kept if peer_state is None else peer_state, self.program, self.engine, self.scheduler)
         self._kept = None
+
+    def _mesh_objects(self) -> list:
+        """Every DeviceMesh this rank made (each layout's meshes by role)."""
+        return [mesh for by_role in self._meshes.values() for mesh in by_role.values()]
 
     def _mesh(self, dims):
         key = (dims.dp, dims.dp_replicate, dims.cp, dims.pp, dims.tp)
@@ -195,9 +203,9 @@ class Worker(CheckpointCalls):
         if self.peer_copy is not None:
             self.peer_copy.discard()
         self.checkpointer = self.peer_copy = None
-        self._meshes, self.broken = {}, True
+        meshes, self._meshes, self.broken = self._mesh_objects(), {}, True
         self._drop_model()  # the DDP reducer, the pipeline and the meshes hold the groups; gloo closes on release
-        leave_process_groups()
+        leave_process_groups(meshes)
 
     def _drop_model(self) -> None:
         """Let the model, optimizer and step program go, their memory and any process group

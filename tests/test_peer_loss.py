@@ -1,0 +1,63 @@
+"""A rank that leaves its process groups after a peer loss lets them go at once, so a peer still
+inside a collective with it fails at once instead of waiting out the group's timeout. Under TP,
+DTensor's caches keep every DeviceMesh alive and a mesh keeps its groups (torch's
+`_pg_registry`): raymp.runtime.peer_loss.release_mesh_groups. Two gloo processes, no Ray."""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import time
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from test_attention_tp import _free_port
+
+# Far above what the test takes when the groups are let go (the point of the test): a rank 1 that
+# waited this long means rank 0 kept them, and its error says "Timed out".
+GROUP_TIMEOUT_S = 300
+
+
+def _one_tp_step_then_one_rank_leaves(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from raymp.runtime.peer_loss import leave_process_groups
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    meshes = {"tp": init_device_mesh("cpu", (2,))}
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    parallelize_module(model, meshes["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    model(torch.randn(4, 8)).sum().backward()  # DTensor's caches now hold the mesh
+    dist.barrier()
+    if rank == 0:
+        del model  # as Worker._drop_model: what else holds the groups is the mesh, through the caches
+        gc.collect()
+        leave_process_groups(list(meshes.values()))
+        # Alive until rank 1 has its answer, as a surviving actor is: an exiting process would
+        # close its sockets whatever held them.
+        deadline = time.monotonic() + 2 * GROUP_TIMEOUT_S
+        while not os.path.exists(out) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return
+    try:
+        dist.all_reduce(torch.ones(4), group=meshes["tp"].get_group())  # waits on rank 0, which is leaving
+        result = "returned"
+    except Exception as exc:  # the outcome under test
+        result = str(exc)
+    with open(out + ".tmp", "w") as f:
+        f.write(result)
+    os.replace(out + ".tmp", out)
+
+
+def test_a_rank_leaving_its_groups_after_a_tp_step_frees_its_peer_at_once(tmp_path):
+    out = tmp_path / "rank1.txt"
+    mp.spawn(_one_tp_step_then_one_rank_leaves, args=(_free_port(), str(out)), nprocs=2, join=True)
+    result = out.read_text()
+    assert "Connection" in result and "Timed out" not in result, result[:300]  # closed or reset by peer
