@@ -123,7 +123,7 @@ def measure(opts) -> dict:
                      intra_node_gbps=gbps, inter_node_gbps=gbps, message_latency_s=latency)
     group = ActorGroup(2, "cpu", cpus_per_actor=1)
     samples = []
-    for name, run, layout in _layouts(out, common, CALIBRATION_BATCH):
+    for _, run, layout in _layouts(out, common, CALIBRATION_BATCH):
         samples.append((layout, step_seconds(args, layout, priced, CALIBRATION_BATCH, SEQ_LEN, bf16=False),
                         _measured_step(run, group)[0]))
     factors = calibrate_cost_factors(samples)
@@ -136,7 +136,7 @@ def measure(opts) -> dict:
         est_priced.append(before)
         est_cal.append(est["step_s"])
         measured.append(got)
-        comm = est["tp_comm_s"] + est["cp_comm_s"] + est["pp_comm_s"] + est["dp_comm_s"]
+        comm = est["step_s"] - est["compute_s"]
         rows.append([name, f"{before * 1e3:.0f}", f"{est['step_s'] * 1e3:.0f}", f"{comm * 1e3:.0f}",
                      f"{got * 1e3:.0f}", f"{(before - got) / got:+.0%}", f"{(est['step_s'] - got) / got:+.0%}",
                      f"{loss:.4f}"])

@@ -116,14 +116,12 @@ def step_seconds(args, layout: Layout, cluster: Cluster, global_batch: int, seq_
     dp_time = 0.0
     if layout.data_parallel_size > 1:
         dp_time = _data_parallel_seconds(args, layout, cluster, micro, act, spans_nodes)
-    terms = {"tp_comm_s": tp_time, "cp_comm_s": cp_time, "pp_comm_s": pp_time, "dp_comm_s": dp_time}
+    comm = {"tp_comm_s": tp_time, "cp_comm_s": cp_time, "pp_comm_s": pp_time, "dp_comm_s": dp_time}
     for key in cost_terms(layout):
-        terms[COST_TERMS[key]] *= cluster.cost_factors.get(key, 1.0)
-    tp_time, cp_time, pp_time, dp_time = terms.values()
-    total = compute + tp_time + cp_time + pp_time + dp_time
-    return {"step_s": total, "compute_s": compute, "tp_comm_s": tp_time, "cp_comm_s": cp_time, "pp_comm_s": pp_time,
-            "dp_comm_s": dp_time,
-            "bubble": bubble or 0.0, "tokens_per_s": global_batch * seq_len / total}
+        comm[COST_TERMS[key]] *= cluster.cost_factors.get(key, 1.0)
+    total = compute + sum(comm.values())
+    return {"step_s": total, "compute_s": compute, **comm, "bubble": bubble or 0.0,
+            "tokens_per_s": global_batch * seq_len / total}
 
 
 def _data_parallel_seconds(args, layout: Layout, cluster: Cluster, micro: int, act: int, spans_nodes: bool) -> float:
