@@ -98,9 +98,14 @@ class ReplicaStream:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._fill, name="raymp-data-stream", daemon=True)
         self._thread.start()
-        # Wait for the first batch now, during set-up: starting the stream (Ray Data's executor
-        # and its first task) takes seconds that are not the steady-state data wait.
-        self._first = self._take()
+        self._first = None
+
+    def wait_first(self) -> None:
+        """Wait for the first batch, during set-up: starting the stream (Ray Data's executor and
+        its first task) takes seconds that are not the steady-state data wait. A survivor's
+        new stream starts while it sets up (Launcher.launch), so that wait overlaps set-up."""
+        if self._first is None and self.expected_step == self.spec.start.step:
+            self._first = self._take()
 
     def _fill(self) -> None:
         try:

@@ -46,9 +46,10 @@ class DataFeed:
                              "raise train.steps to train on")
         return position
 
-    def start_streams(self, group, layout: Layout, cfg: RunConfig, start: DataPosition) -> None:
+    def start_streams(self, group, layout: Layout, cfg: RunConfig, start: DataPosition, wait: bool = True) -> None:
         """One Ray Data stream per first-stage rank (each TP rank of the first stage reads its
-        replica's stream), beginning at `start`."""
+        replica's stream), beginning at `start`. `wait`: return once every first batch is in
+        (else wait_streams() does: the ranks' next calls run while Ray Data starts)."""
         node = self.node
         cpus = 0 if offers_no_cpu(node) else cfg.data.stream_cpus  # see offers_no_cpu
         free = _free_cpus(node)
@@ -71,9 +72,12 @@ class DataFeed:
             if c["pp"] == 0 and steps > 0:
                 spec = StreamSpec(self.data.root, self.data.num_samples, self.data.seq_len, cfg.data.val_fraction,
                                   cfg.seed, cfg.train.global_batch_size, layout.dp, c["dp"], start, node)
-            args.append((spec, steps, cpus, cfg.data.prefetch_batches))
+            args.append((spec, steps, cpus, cfg.data.prefetch_batches, wait))
         group.call_per_rank("start_stream", args)
         self.start, self.next_step = start, start.step
+
+    def wait_streams(self, group, timeout_s: float, knob: str) -> None:
+        group.call("wait_stream", timeout_s=timeout_s, knob=knob)
 
     def send_eval_data(self, group, layout: Layout, cfg: RunConfig) -> None:
         """The held-out batches every validation uses: the first train.eval_batches global

@@ -102,22 +102,27 @@ class Launcher:
 
         def set_up():
             # The validated config itself: the ranks do not validate it again.
-            return group.call("setup", cfg, vocab, document_eot(cfg, feed.data), timeout_s=r.setup_timeout_s,
+            return group.call("setup", cfg, vocab, document_eot(cfg, feed.data), kept, timeout_s=r.setup_timeout_s,
                               knob=SETUP_KNOB)
 
-        infos = set_up()
+        restored = None
         if kept:
+            # The position is known: the streams start first, and Ray Data's start-up (its executor,
+            # the first task) overlaps the set-up (measured: 82 ms of a survivor's 0.33 s recovery).
+            feed.start_streams(group, lay, cfg, feed.checked(position, cfg.train.steps), wait=False)
+            infos = set_up()
             restore_survivors(group, joined or {}, r.setup_timeout_s)
-            restored = None
         else:
+            infos = set_up()
             on_disk = self.lineage.candidates()
             restored = (self.peer_copies.restore(group, on_disk[0].step if on_disk else None, set_up)
                         or restore_newest_intact(group, on_disk, set_up, self.say, r.setup_timeout_s))
-        if restored is not None:
-            position = restored.data_position
-        start = feed.checked(position, cfg.train.steps) if position is not None else feed.first_position()
-        feed.start_streams(group, lay, cfg, start)
+            if restored is not None:
+                position = restored.data_position
+            start = feed.checked(position, cfg.train.steps) if position is not None else feed.first_position()
+            feed.start_streams(group, lay, cfg, start, wait=False)
         feed.send_eval_data(group, lay, cfg)
+        feed.wait_streams(group, r.setup_timeout_s, SETUP_KNOB)
         return Launched(group, cfg, restored, infos, memory)
 
 

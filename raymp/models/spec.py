@@ -105,10 +105,12 @@ def tie_weights(model: nn.Module, spec: ModelSpec) -> None:
         model.output.weight = model.tok_embeddings.weight
 
 
-def build_part(spec: ModelSpec, device, prune=None, tp_mesh=None,
-               sequence_parallel: bool = False, values: Callable | None = None) -> nn.Module:
+def build_part(spec: ModelSpec, device, prune=None, tp_mesh=None, sequence_parallel: bool = False,
+               values: Callable | None = None, fill: bool = True) -> nn.Module:
     """This rank's part of the model, materialised shard by shard (see the module docstring).
-    `values(name, shape)` overrides the spec's initial values (weights read from disk)."""
+    `values(name, shape)` overrides the spec's initial values (weights read from disk).
+    `fill=False`: every value is loaded right after (a survivor's state kept in memory), so
+    none is computed or read; the parameters are zeros until then."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     with torch.device("meta"):
@@ -122,6 +124,9 @@ def build_part(spec: ModelSpec, device, prune=None, tp_mesh=None,
     value_of = values or spec.initial_value
     with torch.no_grad():
         for name, param in model.named_parameters():  # a tied pair appears once
+            if not fill:
+                (param.to_local() if isinstance(param, DTensor) else param).zero_()
+                continue
             source = EMBEDDING if spec.tie_embeddings and name == HEAD else name
             full = value_of(source, param.shape)
             if tuple(full.shape) != tuple(param.shape):

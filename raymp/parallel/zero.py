@@ -158,14 +158,14 @@ class DDPEngine(DataParallelEngine):
     after backward: the same traffic, without the overlap."""
 
     def __init__(self, modules: list[nn.Module], dp_mesh, opt_cfg, zero: int, device: torch.device,
-                 wrap: bool = True):
+                 wrap: bool = True, sync_initial: bool = True):
         self.modules = modules
         self.dp_group = dp_mesh.get_group()
         self.dp_size = dp_mesh.size()
         self.wrapped = wrap
         self.models = [
             DDP(m, device_ids=[device.index] if device.type == "cuda" else None,
-                process_group=self.dp_group)
+                process_group=self.dp_group, init_sync=sync_initial)
             for m in modules
         ] if wrap else list(modules)
         params = [p for m in modules for p in m.parameters()]
@@ -239,11 +239,12 @@ class FSDPEngine(DataParallelEngine):
 
 def apply_data_parallel(modules: list[nn.Module], dp_mesh, opt_cfg, zero: int, device, mp_dtype,
                         block_names, reshard_after_forward: bool | None = None,
-                        wrap_ddp: bool = True) -> DataParallelEngine:
+                        wrap_ddp: bool = True, sync_initial: bool = True) -> DataParallelEngine:
     """Wrap each of this rank's modules for data parallelism at the given ZeRO stage.
     `block_names(module)` lists the submodules that become FSDP units. `reshard_after_forward`
-    overrides ZeRO-3's default (True): zero-bubble pipelines must keep parameters gathered."""
+    overrides ZeRO-3's default (True): zero-bubble pipelines must keep parameters gathered.
+    `sync_initial=False`: DDP does not broadcast rank 0's values (they are loaded after)."""
     if zero >= 2:
         reshard = zero == 3 if reshard_after_forward is None else reshard_after_forward
         return FSDPEngine(modules, dp_mesh, opt_cfg, zero, mp_dtype, block_names, reshard)
-    return DDPEngine(modules, dp_mesh, opt_cfg, zero, device, wrap=wrap_ddp)
+    return DDPEngine(modules, dp_mesh, opt_cfg, zero, device, wrap=wrap_ddp, sync_initial=sync_initial)

@@ -34,12 +34,12 @@ def _autocast_dtype(cfg):
     return torch.bfloat16 if cfg.precision == "bf16" and cfg.parallel.zero < 2 else None
 
 
-def _build(spec, cfg, mesh, device, prune=None):
+def _build(spec, cfg, mesh, device, prune=None, fill: bool = True):
     """This rank's part of the model: built on meta, pruned to its stage, tensor-parallel, and
     only then allocated and filled (raymp.models.spec), so no rank holds the whole model."""
     p = cfg.parallel
     model = build_part(spec, device, prune=prune, tp_mesh=mesh["tp"] if p.tp > 1 else None,
-                       sequence_parallel=p.sequence_parallel)
+                       sequence_parallel=p.sequence_parallel, fill=fill)
     if p.cp > 1:
         apply_context_parallel(model, mesh["cp"], cfg.train.seq_len)
     return model
@@ -55,9 +55,9 @@ def _cp_mean(value: torch.Tensor, mesh) -> float:
     return float(value)
 
 
-def _parallelize(modules, spec, cfg, mesh, device, zero_bubble: bool = False):
+def _parallelize(modules, spec, cfg, mesh, device, zero_bubble: bool = False, kept: bool = False):
     """Activation checkpointing, compilation, then data parallel / ZeRO (after TP: torchtitan's
-    order)."""
+    order). `kept`: the values are loaded after set-up (see LocalStep)."""
     p = cfg.parallel
     for module in modules:
         if p.activation_checkpointing:
@@ -69,7 +69,7 @@ def _parallelize(modules, spec, cfg, mesh, device, zero_bubble: bool = False):
         torch.bfloat16 if cfg.precision == "bf16" else None, spec.block_names,
         # Zero-bubble + FSDP2 resharding after forward yields wrong weight gradients (docs/design.md).
         reshard_after_forward=False if zero_bubble else None,
-        wrap_ddp=p.pp == 1 and p.tp == 1,
+        wrap_ddp=p.pp == 1 and p.tp == 1, sync_initial=not kept,
     )
 
 
@@ -79,12 +79,14 @@ class LocalStep:
 
     counted_elsewhere: tuple = ()
 
-    def __init__(self, cfg, spec, mesh, coords, device, document_eot: int | None = None):
+    def __init__(self, cfg, spec, mesh, coords, device, document_eot: int | None = None, kept: bool = False):
+        """`kept`: every value is loaded right after set-up (a survivor's state, kept in memory),
+        so no initial value is computed, read or broadcast (a third of a survivor's set-up)."""
         self.cfg, self.device, self.document_eot, self.mesh = cfg, device, document_eot, mesh
-        model = _build(spec, cfg, mesh, device)
+        model = _build(spec, cfg, mesh, device, fill=not kept)
         self.num_params = spec.num_params()
         self.tied_embeddings = spec.tie_embeddings
-        self.engine = _parallelize([model], spec, cfg, mesh, device)
+        self.engine = _parallelize([model], spec, cfg, mesh, device, kept=kept)
         self._autocast_dtype = _autocast_dtype(cfg)
         self.loss_meter = LossMeter()
         self.meter = ActivationMeter()  # saved activations, loss included
@@ -189,7 +191,9 @@ class PipelineStep:
     EVAL_TAG = 8
     DOCUMENT_TAG = 9
 
-    def __init__(self, cfg, spec, mesh, coords, device, dims, document_eot: int | None = None):
+    def __init__(self, cfg, spec, mesh, coords, device, dims, document_eot: int | None = None,
+                 kept: bool = False):
+        """`kept`: as LocalStep's."""
         p = cfg.parallel
         self.cfg, self.device, self.dims, self.document_eot, self.mesh = cfg, device, dims, document_eot, mesh
         self.pp_rank = coords["pp"]
@@ -199,12 +203,13 @@ class PipelineStep:
         self.stage_ids = local_stages(self.pp_rank, p.pp, num_stages, p.schedule)
         self.stage_layers = {s: layers[s] for s in self.stage_ids}
         modules = [
-            _build(spec, cfg, mesh, device, prune=keep_only(layers[s], s == 0, s == num_stages - 1, spec))
+            _build(spec, cfg, mesh, device, prune=keep_only(layers[s], s == 0, s == num_stages - 1, spec),
+                   fill=not kept)
             for s in self.stage_ids
         ]
         self.num_params = sum(_whole_numel(m) for m in modules)
         self.tied_embeddings = spec.tie_embeddings
-        self.engine = _parallelize(modules, spec, cfg, mesh, device, zero_bubble=p.schedule in ZERO_BUBBLE)
+        self.engine = _parallelize(modules, spec, cfg, mesh, device, zero_bubble=p.schedule in ZERO_BUBBLE, kept=kept)
         self.clock, self.meter = StepClock(), ActivationMeter()
         self.loss_meter = LossMeter()
         self._autocast_dtype = _autocast_dtype(cfg)

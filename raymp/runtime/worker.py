@@ -135,11 +135,12 @@ class Worker(CheckpointCalls):
 
     # -- model set-up -----------------------------------------------------------------------
 
-    def setup(self, cfg, vocab_size: int, document_eot: int | None = None) -> dict:
+    def setup(self, cfg, vocab_size: int, document_eot: int | None = None, kept: bool = False) -> dict:
         """Build this rank's part of the model + optimizer from the RunConfig the driver validated
         (sent as the object: not validated again); `document_eot`: the end-of-text id when
-        documents are masked (data.document_mask). Re-callable: a reused actor group can train
-        another config without restarting processes."""
+        documents are masked (data.document_mask); `kept`: restore_kept() follows, so no initial
+        value is made. Re-callable: a reused actor group can train another config without
+        restarting processes. The data stream is left as it is (start_stream replaces it)."""
         if self.checkpointer is not None:
             self.checkpointer.wait()  # a save of the previous set-up still writing
             self.peer_copy.wait_written()  # a copy of it
@@ -151,12 +152,11 @@ class Worker(CheckpointCalls):
         with torch.device("meta"):
             spec.build_meta()  # imports the model's code first: setup_peak_bytes counts memory, not code
         rss_before = reset_peak_rss()
-        self.program = (PipelineStep(cfg, spec, mesh, self.coords, self.device, dims, document_eot) if dims.pp > 1
-                        else LocalStep(cfg, spec, mesh, self.coords, self.device, document_eot))
+        self.program = (PipelineStep(cfg, spec, mesh, self.coords, self.device, dims, document_eot, kept) if dims.pp > 1
+                        else LocalStep(cfg, spec, mesh, self.coords, self.device, document_eot, kept))
         self.engine = self.program.engine
         self.program.meter.on_activation = self.abandon.check
         self.scheduler = build_scheduler(self.engine.optimizer, cfg.optimizer, cfg.train.steps)
-        self.start_stream(None, 0, 0, 0)  # the previous set-up's stream, if any, is closed
         self.eval_tokens = []
         info = {"rank": self.rank, "coords": self.coords, "num_params": self.program.num_params,
                 # How much memory building and loading this rank's part took at its peak.
@@ -167,12 +167,19 @@ class Worker(CheckpointCalls):
 
     # -- data -------------------------------------------------------------------------------
 
-    def start_stream(self, spec, steps: int, cpus: float, prefetch_batches: int) -> None:
+    def start_stream(self, spec, steps: int, cpus: float, prefetch_batches: int, wait: bool = True) -> None:
         """First-stage ranks: read this replica's batches (a StreamSpec; None on the other
-        stages) for `steps` steps from the spec's start position."""
+        stages) for `steps` steps from the spec's start position, in place of the stream before.
+        `wait`: return once the first batch is in (else wait_stream() does)."""
         if self.stream is not None:
             self.stream.close()
         self.stream = None if spec is None else ReplicaStream(spec, steps, cpus, prefetch_batches)
+        if wait:
+            self.wait_stream()
+
+    def wait_stream(self) -> None:
+        if self.stream is not None:
+            self.stream.wait_first()
 
     def set_eval_data(self, batches: list[np.ndarray]) -> None:
         """This replica's share of each held-out validation batch (None where activations come in)."""
