@@ -16,6 +16,12 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
 V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, placed as a V
 
 
+def runs_on_fsdp(zero: int) -> bool:
+    """ZeRO 2 and 3 shard with FSDP2 (fully_shard); 0 and 1 run on DDP (1 with
+    ZeroRedundancyOptimizer). Engines, cost model, rules and precision all follow this."""
+    return zero >= 2
+
+
 class LayoutError(ValueError):
     """A layout that cannot run with this model and batch. The message names the field and a fix."""
 
@@ -91,6 +97,10 @@ class Layout:
     def dp_shard(self) -> int:
         """dp replicas per HSDP shard group (all of dp without HSDP)."""
         return self.dp // self.dp_replicate
+
+    @property
+    def fsdp(self) -> bool:
+        return runs_on_fsdp(self.zero)
 
     @property
     def zero_shards(self) -> int:
@@ -232,7 +242,7 @@ class Layout:
         if self.dp % rep:
             yield (f"parallel.dp_replicate ({rep}) must divide parallel.dp ({self.dp}): HSDP runs dp_replicate "
                    f"groups of dp / dp_replicate shards; change one of them")
-        elif self.zero < 2:
+        elif not self.fsdp:
             yield (f"parallel.dp_replicate > 1 (HSDP) shards with FSDP2 inside each group and needs parallel.zero 2 "
                    f"or 3 (zero is {self.zero}); set parallel.zero=3, or parallel.dp_replicate=1")
 

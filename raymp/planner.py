@@ -18,7 +18,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
-from raymp.layout import Layout, ModelShape
+from raymp.layout import Layout, ModelShape, runs_on_fsdp
 from raymp.step_time import GB, Cluster, step_seconds
 
 
@@ -216,7 +216,7 @@ def proposals(cluster: Cluster, shape: ModelShape, seq_len: int, micro_batch_siz
         for pp in _divisors(world // tp):
             dp = world // (tp * pp)
             for zero in ((1, 2, 3) if dp > 1 else (0,)):
-                hsdp = zero >= 2 and cluster.nodes > 1 and dp % cluster.nodes == 0 and dp > cluster.nodes
+                hsdp = runs_on_fsdp(zero) and cluster.nodes > 1 and dp % cluster.nodes == 0 and dp > cluster.nodes
                 for replicate in (1, cluster.nodes) if hsdp else (1,):
                     for mbs in micro_batch_sizes:
                         for ac in (False, True):

@@ -59,7 +59,7 @@ def cost_terms(layout: Layout) -> list[str]:
     """The COST_TERMS keys a layout pays for."""
     keys = []
     if layout.data_parallel_size > 1:
-        keys.append("fsdp" if layout.zero >= 2 else "ddp")
+        keys.append("fsdp" if layout.fsdp else "ddp")
     if layout.tp > 1:
         keys.append("sp" if layout.sequence_parallel else "tp")
     keys += [k for k, n in (("cp", layout.cp), ("pp", layout.pp)) if n > 1]
@@ -133,7 +133,7 @@ def _data_parallel_seconds(args, layout: Layout, cluster: Cluster, micro: int, a
     ranks, shards = layout.data_parallel_size, layout.zero_shards
     bw = (cluster.inter_node_gbps if spans_nodes else cluster.intra_node_gbps) * GB
     blocks = args.n_layers / layout.pp
-    if layout.zero < 2:
+    if not layout.fsdp:
         return 2 * values * 4 * (ranks - 1) / ranks / bw * 0.5 + cluster.message_latency_s
     shard_bw = bw
     if layout.dp_replicate > 1 and shards * layout.pp * layout.tp <= cluster.gpus_per_node:

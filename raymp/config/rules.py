@@ -46,7 +46,7 @@ def check_run(cfg) -> None:
             "it over every dp rank, so a loss leaves none whole; set parallel.zero=0 (each dp replica holds "
             "it), HSDP with parallel.dp_replicate >= 2 (each group holds it), elastic.peer_copy_every (the "
             "survivors reload the peer copy), or elastic.keep_survivors=false (restart from the checkpoint)")
-    if cfg.optimizer.cpu_offload and p.zero < 2:
+    if cfg.optimizer.cpu_offload and not p.layout.fsdp:
         raise ValueError(
             "optimizer.cpu_offload needs parallel.zero 2 or 3 (FSDP2's offload policy); "
             "set parallel.zero=2 or optimizer.cpu_offload=false"

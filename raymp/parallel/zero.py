@@ -21,6 +21,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from raymp.layout import runs_on_fsdp
 from raymp.optim import adamw_kwargs, build_optimizer, param_groups
 
 
@@ -244,7 +245,7 @@ def apply_data_parallel(modules: list[nn.Module], dp_mesh, opt_cfg, zero: int, d
     `block_names(module)` lists the submodules that become FSDP units. `reshard_after_forward`
     overrides ZeRO-3's default (True): zero-bubble pipelines must keep parameters gathered.
     `sync_initial=False`: DDP does not broadcast rank 0's values (they are loaded after)."""
-    if zero >= 2:
+    if runs_on_fsdp(zero):
         reshard = zero == 3 if reshard_after_forward is None else reshard_after_forward
         return FSDPEngine(modules, dp_mesh, opt_cfg, zero, mp_dtype, block_names, reshard)
     return DDPEngine(modules, dp_mesh, opt_cfg, zero, device, wrap=wrap_ddp, sync_initial=sync_initial)

@@ -31,7 +31,7 @@ from raymp.parallel.zero import apply_data_parallel, local_tensor
 
 def _autocast_dtype(cfg):
     """bf16 under ZeRO 0/1 runs through autocast (fp32 master weights); FSDP2 casts itself."""
-    return torch.bfloat16 if cfg.precision == "bf16" and cfg.parallel.zero < 2 else None
+    return torch.bfloat16 if cfg.precision == "bf16" and not cfg.parallel.layout.fsdp else None
 
 
 def _build(spec, cfg, mesh, device, prune=None, fill: bool = True):
