@@ -13,7 +13,11 @@ Checkpoint cost (dp=2 ZeRO-2, same actors for every row, rounds interleaved): me
 step completions from step 2 on (so a save's cost, and a background write slowing the steps
 beside it, are both in), with no checkpoints, async every k steps, and blocking every k steps;
 the ratio is against no checkpoints. "blocked" is the median time a save held the step loop;
-the size is what one save writes (model + AdamW state).
+the size is what one save writes (model + AdamW state). "in-run" prices the same cost inside
+each run: the time the AFFECTED step intervals after a save took beyond the run's own median
+interval away from saves, per save, spread over the k steps between saves. It needs no second run
+to compare with, so it is free of the drift between runs (a few percent on this shared machine,
+more than the cost being measured); what it cannot see is a cost spread evenly over every step.
 """
 
 from __future__ import annotations
@@ -75,6 +79,21 @@ def recovery(cluster, root: str, model: str, steps: int) -> dict:
     }
 
 
+AFFECTED = 3  # step intervals after a save that its staging, background write and hand-over can slow
+
+
+def in_run_cost(history: list[dict], every: int) -> float:
+    """A save's (or peer copy's) cost per step as a fraction of the step time, from one run's
+    step completion times: see the module docstring. Steps 0 and 1 (warm-up) are left out."""
+    done = [m["finished_at"] for m in history]
+    intervals = {i: done[i] - done[i - 1] for i in range(2, len(done))}
+    saves = [s for s in range(len(done) - 1) if (s + 1) % every == 0]  # a save starts after step s
+    affected = {s + d for s in saves for d in range(1, AFFECTED + 1)} & set(intervals)
+    baseline = statistics.median(v for i, v in intervals.items() if i not in affected)
+    extra = sum(intervals[i] - baseline for i in affected)
+    return extra / len(saves) / (every * baseline)
+
+
 def checkpoint_cost(root: str, model: str, steps: int, every: int, rounds: int) -> list[dict]:
     group = ActorGroup(2, "cpu", cpus_per_actor=1.5, placement_timeout_s=120)
     modes = {"none": {"every": 0}, f"async every {every}": {"every": every, "async_save": True},
@@ -85,6 +104,7 @@ def checkpoint_cost(root: str, model: str, steps: int, every: int, rounds: int) 
              f"peer copy every {4 * every}": {"every": 0, "peer_copy_every": 4 * every}}
     times = {name: [] for name in modes}
     blocked = {name: [] for name in modes}
+    in_run = {name: [] for name in modes}
     size = 0
     try:
         for r in range(rounds):
@@ -97,6 +117,8 @@ def checkpoint_cost(root: str, model: str, steps: int, every: int, rounds: int) 
                     h = t.fit()
                     blocked[name] += t.session.launcher.peer_copies.blocked_s
                 times[name].append((h[-1]["finished_at"] - h[1]["finished_at"]) / (len(h) - 2))
+                if k := ckpt["every"] or peer["peer_copy_every"]:
+                    in_run[name].append(in_run_cost(h, k))
                 blocked[name] += [m["checkpoint_blocked_s"] for m in h if "checkpoint_blocked_s" in m]
                 if ckpt["every"] and os.path.isdir(directory):
                     latest = sorted(os.listdir(directory))[-1]
@@ -108,7 +130,8 @@ def checkpoint_cost(root: str, model: str, steps: int, every: int, rounds: int) 
     base = statistics.median(times["none"])
     return [{"model": model, "mode": name, "step_s": statistics.median(v),
              "ratio": statistics.median(v) / base, "size_mb": size / 2**20 if name != "none" else 0.0,
-             "blocked_s": statistics.median(blocked[name]) if blocked[name] else 0.0}
+             "blocked_s": statistics.median(blocked[name]) if blocked[name] else 0.0,
+             "in_run": statistics.median(in_run[name]) if in_run[name] else None}
             for name, v in times.items()]
 
 
@@ -135,11 +158,15 @@ def main() -> None:
         print(f"| {r['model']} | {r['step_s']:.2f} | {r['detect_s']:.2f} | {r['restart_s']:.1f} | "
               f"{r['to_next_step_s']:.1f} | {r['redone']} |")
     print(f"\nCheckpoint cost (dp=2 ZeRO-2, {args.steps} steps, median of {args.rounds} interleaved rounds)")
-    print("| model | checkpoints | time per step (s) | vs none | blocked per save (s) | one checkpoint (MiB) |")
-    print("|---|---|---|---|---|---|")
+    print("| model | checkpoints | time per step (s) | vs none | in-run | blocked per save (s) | one checkpoint (MiB) |")
+    print("|---|---|---|---|---|---|---|")
     for c in cost:
         extra = f"{c['blocked_s']:.3f} | {c['size_mb']:.1f}" if c["size_mb"] else "- | -"
-        print(f"| {c['model']} | {c['mode']} | {c['step_s']:.3f} | {c['ratio']:.2f}x | {extra} |")
+        print(f"| {c['model']} | {c['mode']} | {c['step_s']:.3f} | {c['ratio']:.2f}x | {in_run_text(c)} | {extra} |")
+
+
+def in_run_text(row: dict) -> str:
+    return "-" if row["in_run"] is None else f"{100 * row['in_run']:+.1f}%"
 
 
 if __name__ == "__main__":
