@@ -125,7 +125,7 @@ def build_part(spec: ModelSpec, device, prune=None, tp_mesh=None, sequence_paral
     with torch.no_grad():
         for name, param in model.named_parameters():  # a tied pair appears once
             if not fill:
-                (param.to_local() if isinstance(param, DTensor) else param).zero_()
+                param.zero_()  # a DTensor zeroes its local piece
                 continue
             source = EMBEDDING if spec.tie_embeddings and name == HEAD else name
             full = value_of(source, param.shape)
