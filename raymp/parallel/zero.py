@@ -56,6 +56,7 @@ class DataParallelEngine:
 
     models: list[nn.Module]
     modules: list[nn.Module]  # the same, unwrapped (attribute access to the model's parts)
+    device: torch.device  # where this rank computes, and where its process group communicates
     optimizer: torch.optim.Optimizer
 
     @property
@@ -88,8 +89,14 @@ class DataParallelEngine:
                 for size, placement in zip(grad.device_mesh.shape, grad.placements):
                     # Not is_shard(): FSDP over TP uses _StridedShard, which is not a Shard.
                     shards *= 1 if placement.is_replicate() else size
-            squares += local_tensor(grad).detach().double().pow(2).sum() * (shards / copies)
+            # Summed in float64 (a float32 sum over 1e8 squares on CPU was 2% off), converted
+            # inside the norm kernel: no float64 copy of the gradient (1.7x faster on CPU).
+            piece = torch.linalg.vector_norm(local_tensor(grad).detach(), dtype=torch.float64)
+            squares += piece.square() * (shards / copies)
         if dist.is_initialized():
+            # Offloaded gradients are on the CPU, which an NCCL group cannot reduce: the sum
+            # travels on the rank's compute device.
+            squares = squares.to(self.device)
             dist.all_reduce(squares)
         norm = float(squares.sqrt())
         if max_norm:
@@ -160,15 +167,20 @@ class DDPEngine(DataParallelEngine):
 
     def __init__(self, modules: list[nn.Module], dp_mesh, opt_cfg, zero: int, device: torch.device,
                  wrap: bool = True, sync_initial: bool = True):
-        self.modules = modules
+        self.modules, self.device = modules, device
         self.dp_group = dp_mesh.get_group()
         self.dp_size = dp_mesh.size()
-        self.wrapped = wrap
+        # One replica has nothing to reduce: DDP would only add its buckets, a gradient-sized
+        # block kept between steps (a dp=1 rank held 16 bytes per parameter between steps
+        # instead of 12). torchtitan, too, applies DDP only when the replicate degree is above 1.
+        self.wrapped = wrap and self.dp_size > 1
         self.models = [
+            # Gradients as views of DDP's all-reduce buckets: without it DDP holds a second
+            # gradient-sized copy (a 1B model in fp32: 5 GB more per rank).
             DDP(m, device_ids=[device.index] if device.type == "cuda" else None,
-                process_group=self.dp_group, init_sync=sync_initial)
+                process_group=self.dp_group, init_sync=sync_initial, gradient_as_bucket_view=True)
             for m in modules
-        ] if wrap else list(modules)
+        ] if self.wrapped else list(modules)
         params = [p for m in modules for p in m.parameters()]
         if zero == 1:
             from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -208,9 +220,9 @@ class DDPEngine(DataParallelEngine):
 
 
 class FSDPEngine(DataParallelEngine):
-    def __init__(self, modules: list[nn.Module], dp_mesh, opt_cfg, zero: int, mp_dtype, block_names,
-                 reshard_after_forward: bool):
-        self.zero = zero
+    def __init__(self, modules: list[nn.Module], dp_mesh, opt_cfg, zero: int, device: torch.device, mp_dtype,
+                 block_names, reshard_after_forward: bool):
+        self.zero, self.device = zero, device
         mp = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32) if mp_dtype else MixedPrecisionPolicy()
         offload = CPUOffloadPolicy() if opt_cfg.cpu_offload else None
         kwargs = dict(mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
@@ -247,5 +259,5 @@ def apply_data_parallel(modules: list[nn.Module], dp_mesh, opt_cfg, zero: int, d
     `sync_initial=False`: DDP does not broadcast rank 0's values (they are loaded after)."""
     if runs_on_fsdp(zero):
         reshard = zero == 3 if reshard_after_forward is None else reshard_after_forward
-        return FSDPEngine(modules, dp_mesh, opt_cfg, zero, mp_dtype, block_names, reshard)
+        return FSDPEngine(modules, dp_mesh, opt_cfg, zero, device, mp_dtype, block_names, reshard)
     return DDPEngine(modules, dp_mesh, opt_cfg, zero, device, wrap=wrap_ddp, sync_initial=sync_initial)
