@@ -55,15 +55,16 @@ def stage_params(args, layers: list[int], first: bool, last: bool, tp: int) -> f
     return total
 
 
-def activation_elements_per_token(args, tp: int, sequence_parallel: bool) -> tuple[float, float]:
-    """(elements autograd keeps per token per block, elements of a block's input). Counted from
-    what this model's block saves for backward (ActivationMeter on blocks of several shapes):
-    10·dim + 4·ffn_dim + n_heads + 2 per token, of which 6·dim + 2 belong to the two norms and the
-    residual stream (not split by TP, split by SP) and the rest to attention and the MLP (split by TP)."""
+def activation_elements_per_token(args, tp: int, sequence_parallel: bool) -> tuple[float, float, float]:
+    """(elements of attention and the MLP, elements of the norms and the residual stream, elements
+    of a block's input) that autograd keeps per token per block. Counted from what this model's
+    block saves for backward (ActivationMeter on blocks of several shapes): 10·dim + 4·ffn_dim +
+    n_heads + 2 per token, of which 6·dim + 2 belong to the two norms and the residual stream (not
+    split by TP, split by SP) and the rest to attention and the MLP (split by TP)."""
     norms = 6 * args.dim + 2
     inner = 4 * args.dim + 4 * args.ffn_dim + args.n_heads
-    per_block = inner / tp + (norms / tp + 2 * args.dim if sequence_parallel else norms)
-    return per_block, args.dim / (tp if sequence_parallel else 1)
+    stream = norms / tp + 2 * args.dim if sequence_parallel else norms
+    return inner / tp, stream, args.dim / (tp if sequence_parallel else 1)
 
 
 def in_flight(schedule: str, pp: int, stage: int, micro_batches: int) -> int:
@@ -135,8 +136,14 @@ def estimate(args, layout: Layout, global_batch: int, seq_len: int, bf16: bool,
     layers = stage_layers or (_balanced(args, layout.num_stages) if pp > 1 else [list(range(args.n_layers))])
     micro = layout.micro_batches(global_batch)
     act_bytes = 2 if bf16 else 4
+    # bf16 under ZeRO 0/1 is autocast over fp32 weights: the matmuls save bf16, but the norms and
+    # the residual stream stay fp32, and each matmul saves a bf16 copy of its weight (per
+    # micro-batch graph). Under FSDP2 the weights themselves are bf16 in compute.
+    autocast = bf16 and not runs_on_fsdp(layout.zero)
+    stream_bytes = 4 if autocast else act_bytes
     tokens = layout.micro_batch_size * seq_len / layout.cp  # a cp rank holds its slice of every sequence
-    per_block, block_input = activation_elements_per_token(args, tp, layout.sequence_parallel)
+    inner, stream, block_input = activation_elements_per_token(args, tp, layout.sequence_parallel)
+    per_block = inner * act_bytes + stream * stream_bytes  # bytes per token
     sharded, replicated = args.block_params
     out = []
     for rank in range(pp):
@@ -145,12 +152,16 @@ def estimate(args, layout: Layout, global_batch: int, seq_len: int, bf16: bool,
         psi = sum(stage_params(args, layers[s], s == 0, s == len(layers) - 1, tp) for s in mine)
         p, g, o, working = _model_state(psi, layout.zero, layout.zero_shards, bf16)
         n_blocks = sum(len(layers[s]) for s in mine)
-        per_mb = n_blocks * (block_input if layout.activation_checkpointing else per_block) * act_bytes
+        per_mb = n_blocks * (block_input * stream_bytes if layout.activation_checkpointing else per_block)
         if first:
             per_mb += 8  # token ids
         if last:  # final norm, then log-softmax over this rank's vocabulary shard in fp32
-            per_mb += (3 * args.dim + 1) * act_bytes + args.vocab_size / tp * 4
-        activations = in_flight(layout.schedule, pp, rank, micro) * per_mb * tokens
+            per_mb += (3 * args.dim + 1) * stream_bytes + args.vocab_size / tp * 4
+        block_copy = 2 * (sharded / tp + replicated) if autocast else 0.0  # a block's matrices in bf16
+        # Checkpointed blocks keep no copies (they are made again in the recompute).
+        weight_copies = (0 if layout.activation_checkpointing else n_blocks * block_copy) + (
+            2 * args.vocab_size * args.dim / tp if autocast and last else 0)
+        activations = in_flight(layout.schedule, pp, rank, micro) * (per_mb * tokens + weight_copies)
         buffers = 0.0
         if layout.zero == 3:  # one block gathered, one prefetched
             buffers += 2 * (sharded / tp + replicated) * (2 if bf16 else 4)
@@ -159,7 +170,7 @@ def estimate(args, layout: Layout, global_batch: int, seq_len: int, bf16: bool,
         else:
             p += working
         if layout.activation_checkpointing:  # the one block being recomputed in backward
-            buffers += per_block * act_bytes * tokens
+            buffers += per_block * tokens + block_copy
         out.append(RankEstimate(rank, p, g, o, activations, buffers))
     return out
 
