@@ -46,13 +46,17 @@ LAYOUTS = {
     "tp2": (2, dict(tp=2)),
     "tp2-sp": (2, dict(tp=2, sequence_parallel=True)),
     "dp2-pp2-zero2": (4, dict(dp=2, pp=2, zero=2, micro_batch_size=1)),
+    # bf16 under ZeRO 0/1 is autocast: fp32 residual stream, bf16 weight copies (14% under before)
+    "dp2-zero0-bf16": (2, dict(dp=2, zero=0), "bf16"),
+    "dp2-zero1-ac-bf16": (2, dict(dp=2, zero=1, activation_checkpointing=True), "bf16"),
+    "dp2-zero2-bf16": (2, dict(dp=2, zero=2), "bf16"),
 }
 
 
 def test_estimates_match_measured_memory_within_15_percent(group2, group4, tiny_cfg, capsys):
     rows = []
-    for name, (world, parallel) in LAYOUTS.items():
-        cfg = tiny_cfg(parallel={"micro_batch_size": 2, "dp": 1, **parallel},
+    for name, (world, parallel, *precision) in LAYOUTS.items():
+        cfg = tiny_cfg(parallel={"micro_batch_size": 2, "dp": 1, **parallel}, precision=(precision or ["fp32"])[0],
                        train={"steps": 2, "global_batch_size": 8, "seq_len": 32})
         with Trainer(cfg, actor_group=group2 if world == 2 else group4, progress=False) as t:
             t.step()
@@ -64,7 +68,8 @@ def test_estimates_match_measured_memory_within_15_percent(group2, group4, tiny_
         for name, rank, measured, est in rows:
             print(f"{name:<15} {rank:>4}  {measured / 1024:>12.1f}  {est / 1024:>13.1f}  {est / measured:.3f}")
     for name, rank, measured, est in rows:
-        assert abs(est - measured) <= 0.15 * measured, (name, rank, measured, est)
+        # bf16 rows are held closer: the priced dtypes are the point there
+        assert abs(est - measured) <= (0.05 if "bf16" in name else 0.15) * measured, (name, rank, measured, est)
 
 
 def _args(preset, vocab=256):
