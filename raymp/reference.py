@@ -3,7 +3,7 @@ parallel layout is tested against (same seed, same global batch, same data order
 
 from __future__ import annotations
 
-import contextlib
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -14,26 +14,29 @@ from raymp.loss import lm_loss
 from raymp.models import build_model, model_spec
 from raymp.models.masks import document_eot, mask_kwargs
 from raymp.optim import build_optimizer, build_scheduler
+from raymp.parallel.pipeline import autocast_context
 
 
-def train_single_process(cfg: RunConfig, steps: int | None = None) -> tuple[list[float], dict]:
+def train_single_process(cfg: RunConfig, steps: int | None = None, device: str | torch.device = "cpu",
+                         step_done: Callable[[int], None] | None = None) -> tuple[list[float], dict]:
     """Returns (loss per step, final state dict). Each step averages the loss over the whole
-    global batch, processed in chunks of micro_batch_size (memory only; the math is the same)."""
+    global batch, processed in chunks of micro_batch_size (memory only; the math is the same).
+    `device` and `step_done(step)` (called after each optimizer step) let the GPU check time
+    this loop as its yardstick."""
     data, order = dataset_and_order(cfg)
-    model = build_model(model_spec(cfg.model, data.vocab_size, cfg.seed), cfg.seed)
+    device = torch.device(device)
+    model = build_model(model_spec(cfg.model, data.vocab_size, cfg.seed), cfg.seed, device)
     optimizer = build_optimizer(model.parameters(), cfg.optimizer)
     scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.train.steps)
-    autocast = (
-        torch.autocast("cpu", dtype=torch.bfloat16) if cfg.precision == "bf16" else contextlib.nullcontext()
-    )
+    autocast_dtype = torch.bfloat16 if cfg.precision == "bf16" else None
     eot = document_eot(cfg, data)
     losses = []
     for step in range(steps or cfg.train.steps):
         chunks = data.gather(order.batch(step)).reshape(-1, cfg.parallel.micro_batch_size, cfg.train.seq_len + 1)
         total = 0.0
         for chunk in chunks:
-            batch = torch.from_numpy(chunk.astype(np.int64))
-            with autocast:
+            batch = torch.from_numpy(chunk.astype(np.int64)).to(device)
+            with autocast_context(device, autocast_dtype):
                 loss = lm_loss(model(batch[:, :-1], **mask_kwargs(batch[:, :-1], eot)), batch[:, 1:])
             (loss / len(chunks)).backward()
             total += loss.item()
@@ -43,6 +46,8 @@ def train_single_process(cfg: RunConfig, steps: int | None = None) -> tuple[list
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(total / len(chunks))
+        if step_done is not None:
+            step_done(step)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

@@ -30,9 +30,9 @@ def test_mfu_arithmetic():
 
 def test_the_section_replaces_its_predecessor_only():
     row = {"run": "raymp dp=1", "gpus": 1, "tokens_per_s": 12345.6, "mfu": 0.412, "vs_plain": 0.97,
-           "peak_gib": 30.25, "estimate_gib": 28.0, "loss": 9.87654}
+           "peak_gib": 30.25, "estimate_gib": 28.0, "first_loss": 10.5, "loss": 9.87654}
     text = section([row], "setup line")
-    assert text.startswith(TITLE) and "| raymp dp=1 | 1 | 12,346 | 41.2% | 0.97x | 30.2 | 28.0 | 9.8765 |" in text
+    assert text.startswith(TITLE) and "| raymp dp=1 | 1 | 12,346 | 41.2% | 0.97x | 30.2 | 28.0 | 10.5000 | 9.8765 |" in text
     doc = "# Benchmarks\n\n## 1. Data parallel\n\nrows\n"
     once = replace_section(doc, text)
     assert once.startswith(doc.rstrip("\n")) and once.endswith(text)
