@@ -22,6 +22,12 @@ def runs_on_fsdp(zero: int) -> bool:
     return zero >= 2
 
 
+def runs_under_autocast(zero: int, bf16: bool) -> bool:
+    """bf16 on the DDP engines (ZeRO 0/1) is autocast over fp32 weights: matmuls in bf16, norms
+    and the residual stream in fp32. FSDP2 (ZeRO 2/3) casts the weights themselves instead."""
+    return bf16 and not runs_on_fsdp(zero)
+
+
 class LayoutError(ValueError):
     """A layout that cannot run with this model and batch. The message names the field and a fix."""
 

@@ -18,7 +18,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
-from raymp.layout import Layout, ModelShape, runs_on_fsdp
+from raymp.layout import Layout, ModelShape, runs_on_fsdp, runs_under_autocast
 from raymp.step_time import GB, Cluster, step_seconds
 
 
@@ -136,10 +136,9 @@ def estimate(args, layout: Layout, global_batch: int, seq_len: int, bf16: bool,
     layers = stage_layers or (_balanced(args, layout.num_stages) if pp > 1 else [list(range(args.n_layers))])
     micro = layout.micro_batches(global_batch)
     act_bytes = 2 if bf16 else 4
-    # bf16 under ZeRO 0/1 is autocast over fp32 weights: the matmuls save bf16, but the norms and
-    # the residual stream stay fp32, and each matmul saves a bf16 copy of its weight (per
-    # micro-batch graph). Under FSDP2 the weights themselves are bf16 in compute.
-    autocast = bf16 and not runs_on_fsdp(layout.zero)
+    # Under autocast the matmuls save bf16, but the norms and the residual stream stay fp32, and
+    # each matmul saves a bf16 copy of its weight (per micro-batch graph).
+    autocast = runs_under_autocast(layout.zero, bf16)
     stream_bytes = 4 if autocast else act_bytes
     tokens = layout.micro_batch_size * seq_len / layout.cp  # a cp rank holds its slice of every sequence
     inner, stream, block_input = activation_elements_per_token(args, tp, layout.sequence_parallel)

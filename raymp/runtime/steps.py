@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
+from raymp.layout import runs_under_autocast
 from raymp.loss import lm_loss
 from raymp.models.masks import document_ids, mask_kwargs
 from raymp.models.spec import build_part, keep_only
@@ -30,8 +31,7 @@ from raymp.parallel.zero import apply_data_parallel, local_tensor
 
 
 def _autocast_dtype(cfg):
-    """bf16 under ZeRO 0/1 runs through autocast (fp32 master weights); FSDP2 casts itself."""
-    return torch.bfloat16 if cfg.precision == "bf16" and not cfg.parallel.layout.fsdp else None
+    return torch.bfloat16 if runs_under_autocast(cfg.parallel.zero, cfg.precision == "bf16") else None
 
 
 def _build(spec, cfg, mesh, device, prune=None, fill: bool = True):
