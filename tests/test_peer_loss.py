@@ -1,7 +1,9 @@
 """A rank that leaves its process groups after a peer loss lets them go at once, so a peer still
 inside a collective with it fails at once instead of waiting out the group's timeout. Under TP,
 DTensor's caches keep every DeviceMesh alive and a mesh keeps its groups (torch's
-`_pg_registry`): raymp.runtime.peer_loss.release_mesh_groups. Two gloo processes, no Ray."""
+`_pg_registry`): raymp.runtime.peer_loss.release_mesh_groups. A step stopped mid-way leaves
+references in C++ no collection frees (FSDP2's hooks in the abandoned graph, DTensor's unwaited
+collectives): raymp.runtime.peer_loss.GroupSockets. Two gloo processes, no Ray."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import gc
 import os
 import time
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from torch import nn
@@ -61,3 +64,62 @@ def test_a_rank_leaving_its_groups_after_a_tp_step_frees_its_peer_at_once(tmp_pa
     mp.spawn(_one_tp_step_then_one_rank_leaves, args=(_free_port(), str(out)), nprocs=2, join=True)
     result = out.read_text()
     assert "Connection" in result and "Timed out" not in result, result[:300]  # closed or reset by peer
+
+
+def _a_rank_stops_its_second_forward_then_leaves(rank: int, port: int, out: str, kind: str) -> None:
+    import torch.distributed as dist
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from raymp.runtime.peer_loss import GroupSockets, leave_process_groups
+
+    sockets = GroupSockets()
+    with sockets.tracked():  # as Worker.init_distributed and Worker.setup
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+        mesh = init_device_mesh("cpu", (2,))
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)) for _ in range(4)])
+    for block in model:
+        if kind == "fsdp2":
+            fully_shard(block, mesh=mesh)
+        else:
+            parallelize_module(block, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(4, 8)
+    model(x).sum().backward()
+    dist.barrier()
+    if rank == 0:
+        def stop(module, args):  # as StepAbandon.check, or a collective's error, mid-forward
+            raise RuntimeError("step stopped")
+
+        model[2].register_forward_pre_hook(stop)
+        try:
+            model(x).sum().backward()
+        except RuntimeError:
+            pass
+        del model  # what Python holds goes; what C++ holds (the graph, the work registry) stays
+        gc.collect()
+        leave_process_groups([mesh], sockets)
+        deadline = time.monotonic() + 2 * GROUP_TIMEOUT_S
+        while not os.path.exists(out) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return
+    try:
+        model(x).sum().backward()  # its third block's collective waits on rank 0, which is leaving
+        result = "returned"
+    except Exception as exc:  # the outcome under test
+        result = str(exc)
+    with open(out + ".tmp", "w") as f:
+        f.write(result)
+    os.replace(out + ".tmp", out)
+
+
+@pytest.mark.parametrize("kind", ["fsdp2", "tp"])
+def test_a_rank_that_stopped_its_step_mid_way_frees_its_peer_at_once(tmp_path, kind):
+    """Without GroupSockets the peer waited out the group's timeout (4 of 4 FSDP2 parameter groups
+    alive after a full collection; under TP one collective left in torch's work registry)."""
+    out = tmp_path / "rank1.txt"
+    mp.spawn(_a_rank_stops_its_second_forward_then_leaves, args=(_free_port(), str(out), kind), nprocs=2, join=True)
+    result = out.read_text()
+    assert "Connection" in result and "Timed out" not in result, result[:300]

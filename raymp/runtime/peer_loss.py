@@ -9,6 +9,9 @@ call (keeping its state, re-forming the group)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
 import threading
 from collections.abc import Iterable
 
@@ -33,17 +36,74 @@ def is_peer_loss(error: BaseException | None) -> bool:
     return False
 
 
-def leave_process_groups(meshes: Iterable = ()) -> None:
+def leave_process_groups(meshes: Iterable = (), sockets: GroupSockets | None = None) -> None:
     """Shut every process group of this process down (they are unusable once a peer is gone).
     Measured on gloo: a peer waiting on a rank that called ProcessGroupGloo.abort() waited for the
     whole timeout; on one that destroyed its groups, it failed at once. The connections close only
     when nothing holds the group any more: drop the model (DDP's reducer, the pipeline) and the
-    optimizer first, and let go of the groups `meshes` hold (release_mesh_groups). DCP's writer
-    process (async_save: process) is in a group of its own with the old ranks, so it goes too."""
+    optimizer first, and let go of the groups `meshes` hold (release_mesh_groups); what C++ still
+    holds after a step stopped mid-way, `sockets` closes. DCP's writer process (async_save:
+    process) is in a group of its own with the old ranks, so it goes too."""
     release_mesh_groups(meshes)
     close_writer_process()
     if dist.is_initialized():
         dist.destroy_process_group()
+    if sockets is not None:
+        sockets.shut()
+
+
+class GroupSockets:
+    """The TCP connections this process opened while it formed its process groups, shut down
+    when it leaves them.
+
+    Why: a step stopped mid-way (a peer lost, the step abandoned) leaves references to its groups
+    that no Python code can drop: the autograd graph of an FSDP2 forward that raised holds FSDP's
+    state through its hooks, and a DTensor collective never waited on stays in torch's work
+    registry. gloo has no call that closes a group's connections (ProcessGroupGloo.abort() and
+    shutdown() leave them open and wake no waiting op), so a peer inside a collective with this
+    rank waited out the whole timeout. Measured in two gloo processes, one raising in its second
+    forward: with FSDP2 (4 of 4 parameter groups alive after a full collection) and with TP the
+    peer waited 20 s of 20; with the sockets shut down it failed at once (tests/test_peer_loss.py).
+    An exit does the same for a process; torchft runs gloo in a child process it can kill for
+    this reason. Sockets are found in /proc/self/fd (Linux; elsewhere none are tracked), and one
+    is shut down only if its descriptor still names the same socket (inode): never a socket
+    opened since under a reused number. Listening sockets are left alone."""
+
+    def __init__(self):
+        self._opened: dict[int, int] = {}  # descriptor -> socket inode
+
+    @contextlib.contextmanager
+    def tracked(self):
+        """Every connection that appears while the block runs is the groups' it forms."""
+        before = _connected_sockets()
+        try:
+            yield
+        finally:
+            self._opened.update((fd, ino) for fd, ino in _connected_sockets().items() if before.get(fd) != ino)
+
+    def shut(self) -> None:
+        now = _connected_sockets()
+        for fd, ino in self._opened.items():
+            if now.get(fd) == ino:
+                with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)  # the peer's read ends: "Connection closed by peer"
+        self._opened.clear()
+
+
+def _connected_sockets() -> dict[int, int]:
+    """This process's TCP sockets that are not listening: descriptor -> inode."""
+    found = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError, ValueError):
+                fd = int(name)
+                if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                    continue
+                with socket.socket(fileno=os.dup(fd)) as sock:
+                    if (sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
+                            and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
+                        found[fd] = os.fstat(fd).st_ino
+    return found
 
 
 def release_mesh_groups(meshes: Iterable) -> None:

@@ -29,11 +29,11 @@ from raymp.models import model_spec
 from raymp.optim import build_scheduler
 from raymp.runtime.checkpoint_calls import CheckpointCalls
 from raymp.runtime.gradients import full_gradients
-from raymp.runtime.peer_loss import StepAbandon, is_peer_loss, leave_process_groups
+from raymp.runtime.peer_loss import GroupSockets, StepAbandon, is_peer_loss, leave_process_groups
 from raymp.runtime.process_memory import (freeze_what_is_here, peak_memory, peak_rss, reset_peak_rss,
                                           return_large_buffers_to_os)
 from raymp.runtime.report import RankReport
-from raymp.runtime.steps import LocalStep, PipelineStep
+from raymp.runtime.steps import LocalStep, PipelineStep, forget_tied_groups
 
 
 class Worker(CheckpointCalls):
@@ -57,6 +57,7 @@ class Worker(CheckpointCalls):
         self._kept = None  # keep_state()'s host copy, until restore_kept()
         self.broken = False  # a step lost a peer: no process group until rejoin()
         self.abandon = StepAbandon()  # set by abandon_step() from the control thread
+        self.sockets = GroupSockets()  # what the groups connected, shut when this rank leaves them
         freeze_what_is_here()
 
     # -- placement and rendezvous ---------------------------------------------------------
@@ -80,16 +81,16 @@ class Worker(CheckpointCalls):
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
-        # An explicit timeout: a rank whose peer died must fail, not hang forever (docs/design.md).
-        dist.init_process_group(
-            backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
-
-        # Checkpoints get a gloo group of their own (DCP's planning collectives run in a
-        # background thread during async saves; they must not share the training's group).
-        self.checkpointer = RankCheckpointer(
-            rank, world_size, dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
+        with self.sockets.tracked():
+            # An explicit timeout: a rank whose peer died must fail, not hang forever (docs/design.md).
+            dist.init_process_group(
+                backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,
+                timeout=timedelta(seconds=timeout_s),
+            )
+            # Checkpoints get a gloo group of their own (DCP's planning collectives run in a
+            # background thread during async saves; they must not share the training's group).
+            checkpoint_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self.checkpointer = RankCheckpointer(rank, world_size, checkpoint_group)
         if self.peer_copy is not None:
             self.peer_copy.discard()  # written on a group that is gone
         self.peer_copy = PeerCopyWriter(self.checkpointer, timeout_s)
@@ -111,7 +112,7 @@ class Worker(CheckpointCalls):
     def rejoin(self, rank: int, world_size: int, addr: str, port: int, backend: str, timeout_s: float) -> None:
         """Leave the broken process group (a peer is gone) and join the survivors' new one."""
         self._drop_model()
-        leave_process_groups(self._mesh_objects())
+        self._leave_groups(self._mesh_objects())
         self._meshes, self.broken = {}, False
         self.init_distributed(rank, world_size, addr, port, backend, timeout_s)
 
@@ -148,14 +149,15 @@ class Worker(CheckpointCalls):
         self._drop_model()  # the previous set-up's model goes first
         self.cfg, dims = cfg, cfg.parallel.layout
         self.coords = dims.coords(self.rank)
-        mesh = self._mesh(dims)
         spec = model_spec(cfg.model, vocab_size, cfg.seed)
         if not kept:  # a survivor built this model before: its code is imported (a meta build: 25 ms)
             with torch.device("meta"):
                 spec.build_meta()  # imports the model's code first: setup_peak_bytes counts memory, not code
         rss_before = reset_peak_rss()
-        self.program = (PipelineStep(cfg, spec, mesh, self.coords, self.device, dims, document_eot, kept) if dims.pp > 1
-                        else LocalStep(cfg, spec, mesh, self.coords, self.device, document_eot, kept))
+        with self.sockets.tracked():  # the mesh's groups, and a pipeline's tied-embedding groups
+            mesh = self._mesh(dims)
+            self.program = (PipelineStep(cfg, spec, mesh, self.coords, self.device, dims, document_eot, kept)
+                            if dims.pp > 1 else LocalStep(cfg, spec, mesh, self.coords, self.device, document_eot, kept))
         self.engine = self.program.engine
         self.program.meter.on_activation = self.abandon.check
         self.scheduler = build_scheduler(self.engine.optimizer, cfg.optimizer, cfg.train.steps)
@@ -214,7 +216,11 @@ class Worker(CheckpointCalls):
         self.checkpointer = self.peer_copy = None
         meshes, self._meshes, self.broken = self._mesh_objects(), {}, True
         self._drop_model()  # the DDP reducer, the pipeline and the meshes hold the groups; gloo closes on release
-        leave_process_groups(meshes)
+        self._leave_groups(meshes)
+
+    def _leave_groups(self, meshes: list) -> None:
+        leave_process_groups(meshes, self.sockets)
+        forget_tied_groups()
 
     def _drop_model(self) -> None:
         """Let the model, optimizer and step program go, their memory and any process group
