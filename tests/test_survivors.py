@@ -121,6 +121,26 @@ def test_lost_replicas_join_back_from_live_peers(parallel, lost, ref, data_cache
 
 
 @pytest.mark.timeout(300)
+def test_a_rank_lost_after_its_step_was_taken_everywhere_restarts_from_storage(ref, data_cache, tmp_path):
+    """dp2: rank 1 takes step 3 (its gradients reached rank 0, both stepped their optimizers) and
+    dies before it reports. Rank 0's state is then a step ahead of the run: going on with it
+    would take step 3 twice, and step 3's loss went with rank 1. The run restarts from the
+    lineage, says why, and trains every step once, as one process does."""
+    from helpers.ckpt_workers import DiesAfterStepWorker
+
+    cfg = matrix_cfg(tmp_path, data_cache, parallel={"dp": 2, "zero": 0, "micro_batch_size": 1},
+                     elastic={"keep_survivors": True, "grow_back": False})
+    with Trainer(cfg, progress=False, worker_cls=DiesAfterStepWorker) as trainer:
+        trainer.setup()
+        trainer.group.call("arm_die_after", 3, 1)
+        history = trainer.fit()
+        (event,) = trainer.restarts
+    assert event["recovery"] == "restart" and event["failed_step"] == 3 and event["checkpoint"] is not None
+    assert event["survivors_refused"] == "their states are after steps [4], the run is at step 3"
+    check_against_reference(history, ref, range(STEPS))
+
+
+@pytest.mark.timeout(300)
 def test_a_loss_that_takes_every_whole_copy_restores_from_the_checkpoint(ref, data_cache, tmp_path):
     """2x2 HSDP loses a rank of each group at once: no whole copy of the state is left in memory,
     so the run restarts from the newest committed checkpoint and redoes the steps since."""

@@ -145,9 +145,9 @@ class ElasticController:
                     self.say(f"elastic: {lost}; going on with the survivors "
                              f"({len(self.failures)}/{self.failure_policy.max_restarts})")
                     event = self._go_on_with_survivors(first, in_flight)
-                if event is None:
+                if not isinstance(event, dict):  # None, or why the survivors could not go on
                     self.say(f"elastic: {lost}; restarting ({len(self.failures)}/{self.failure_policy.max_restarts})")
-                    event = self._relaunch("failure", first, in_flight)
+                    event = {**self._relaunch("failure", first, in_flight), "survivors_refused": event}
                 break
             except (WorkerLostError, PlacementError) as again:
                 lost = WorkerLostError(f"while restarting: {again}", getattr(again, "rank", None),
@@ -223,12 +223,13 @@ class ElasticController:
                 "checkpoint": checkpoint.path if checkpoint else None,
                 "wait_for_resources_s": waited, "relaunch_s": time.monotonic() - t0}
 
-    def _go_on_with_survivors(self, lost: WorkerLostError, in_flight: tuple) -> dict | None:
+    def _go_on_with_survivors(self, lost: WorkerLostError, in_flight: tuple) -> dict | str:
         """elastic.keep_survivors: the live ranks copy their state to host memory; the whole dp
         replicas among them re-form the process group and go on from the failed step (nothing
-        redone, nothing read from storage). None, with the reason said, when they cannot: they
-        did not all stop at the run's step (the failed step finished on some), no whole replica
-        survived, or no valid dp is left."""
+        redone, nothing read from storage). When they cannot, why (the restart event records it):
+        they did not all stop at the run's step (the failed step was taken on some: a rank was
+        lost after its last collective, before it reported), no whole replica survived, or no
+        valid dp is left."""
         t0 = time.monotonic()
         layout = self.run.config.parallel.layout
         kept = self.run.keep_survivors(lost.rank if lost.kind == "died" else None)
@@ -247,11 +248,11 @@ class ElasticController:
                 "resumed_step": at, "checkpoint": None, "wait_for_resources_s": 0.0,
                 "relaunch_s": time.monotonic() - t0, "pids": pids}
 
-    def _survivors_reload(self, lost, in_flight: tuple, alive: list[int], t0: float, why: str) -> dict | None:
+    def _survivors_reload(self, lost, in_flight: tuple, alive: list[int], t0: float, why: str) -> dict | str:
         """elastic.peer_copy_every: no whole copy of the state is in the survivors' memory, but the
         peer copies hold every part. The live ranks (whole TP groups of them) go on as the largest
         valid dp, set up anew and restored like a restart (the newest peer copy, else the lineage):
-        the same processes, no new actors. None (restart) without peer copies or enough ranks."""
+        the same processes, no new actors. `why` (restart) without peer copies or enough ranks."""
         cfg = self.run.config
         lay = cfg.parallel.layout
         per = lay.world_size // lay.dp  # the ranks of one dp replica
@@ -259,7 +260,7 @@ class ElasticController:
         dp = largest_valid_dp(cfg, len(ranks) // per) if cfg.elastic.peer_copy_every and len(ranks) >= per else None
         if dp is None:
             self.say(f"elastic: the survivors cannot go on alone ({why}); restarting from the lineage")
-            return None
+            return why
         self.say(f"elastic: the survivors cannot go on with their state ({why}); they reload it")
         before = lay.record()
         restored, pids = self.run.go_on_with(ranks[:dp * per], with_dp(cfg, dp), kept=False)

@@ -131,6 +131,20 @@ class EndlessStepWorker(Worker):
         return super()._train_step(step)
 
 
+class DiesAfterStepWorker(Worker):
+    """Rank `rank` takes step `step` whole (its collectives done, its optimizer stepped) and its
+    process ends before it reports: a node lost between a step's last collective and its reply."""
+
+    def arm_die_after(self, step: int, rank: int) -> None:
+        self._die_after = (step, rank)
+
+    def train_step(self, step: int):
+        report = super().train_step(step)
+        if (step, self.rank) == getattr(self, "_die_after", None):
+            os._exit(1)
+        return report
+
+
 class HoldsBackPeerCopyWorker(Worker):
     """Rank 1 never hands its part of the peer copy of step 3 over (the call waits for ever, on
     the actor's "copies" thread, beside the steps), as a rank lost before its part reached the
