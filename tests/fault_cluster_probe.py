@@ -62,6 +62,28 @@ class SlowWriteWorker(Worker):
         return info
 
 
+class HoldStepWorker(Worker):
+    """The rank that finds <output_dir>/hold-<step>-<rank> stops at the start of that step and
+    stays there until it is killed with its node, after renaming the file to held-<step>-<rank>:
+    the node is then lost while every peer is inside that step, waiting on it, however fast the
+    machine is (lost at a random moment, it can land after the step's last collective, when the
+    survivors have taken the step and the run must restart from storage). One-shot: the rank of
+    that number after the loss runs the step. Shipped by value, like SlowWriteWorker."""
+
+    def setup(self, cfg, vocab_size: int, *args) -> dict:
+        self._hold_dir = cfg.output_dir
+        return super().setup(cfg, vocab_size, *args)
+
+    def train_step(self, step: int):
+        hold = Path(self._hold_dir, f"hold-{step}-{self.rank}")
+        try:
+            hold.rename(hold.with_name(f"held-{step}-{self.rank}"))
+        except FileNotFoundError:
+            return super().train_step(step)
+        while True:  # until the node goes, and this process with it
+            time.sleep(0.05)
+
+
 class Probe(SimulatedCluster):
     """The simulated cluster every scenario runs on (a 1-CPU head for the driver and its data)."""
 
@@ -137,10 +159,18 @@ class Run:
 
 
 def node_loss(probe, root, zero=0, dp=2, nodes=2, cpus=2, after=3, rank=1, committed=2, **sections):
+    """The node of `rank` is lost once `after` steps are done (and the checkpoint of step
+    `committed` is), while that rank holds step `after` (HoldStepWorker)."""
     probe.reset(nodes, cpus)
     parallel = {"dp": dp, "zero": zero, **sections.pop("parallel", {})}
-    run = Run(cfg_for(root, probe.cache, parallel=parallel, **sections))
+    cfg = cfg_for(root, probe.cache, parallel=parallel, **sections)
+    hold = Path(cfg["output_dir"], f"hold-{after}-{rank}")  # rank `rank` stops at step `after`
+    hold.parent.mkdir(parents=True, exist_ok=True)
+    hold.touch()
+    run = Run(cfg, worker_cls=HoldStepWorker)
     run.after_steps(after, committed)
+    wait_until(lambda: hold.with_name(f"held-{after}-{rank}").exists() or not run.thread.is_alive(),
+               f"rank {rank} inside step {after}")
     pids = [n["pid"] for n in run.trainer.group.nodes]
     lost_at = time.time()
     probe.remove(run.node_of_rank(rank))
