@@ -43,14 +43,23 @@ def _one_tp_step_then_one_rank_leaves(rank: int, port: int, out: str) -> None:
         del model  # as Worker._drop_model: what else holds the groups is the mesh, through the caches
         gc.collect()
         leave_process_groups(list(meshes.values()))
-        # Alive until rank 1 has its answer, as a surviving actor is: an exiting process would
-        # close its sockets whatever held them.
-        deadline = time.monotonic() + 2 * GROUP_TIMEOUT_S
-        while not os.path.exists(out) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _stay_until_answered(out)
         return
+    _answer(out, lambda: dist.all_reduce(torch.ones(4), group=meshes["tp"].get_group()))  # waits on rank 0
+
+
+def _stay_until_answered(out: str) -> None:
+    """Rank 0 stays alive until rank 1 has its answer, as a surviving actor does: an exiting
+    process would close its sockets whatever held them."""
+    deadline = time.monotonic() + 2 * GROUP_TIMEOUT_S
+    while not os.path.exists(out) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _answer(out: str, collective) -> None:
+    """Rank 1 runs `collective` (which waits on rank 0, leaving) and writes how it ended."""
     try:
-        dist.all_reduce(torch.ones(4), group=meshes["tp"].get_group())  # waits on rank 0, which is leaving
+        collective()
         result = "returned"
     except Exception as exc:  # the outcome under test
         result = str(exc)
@@ -59,11 +68,15 @@ def _one_tp_step_then_one_rank_leaves(rank: int, port: int, out: str) -> None:
     os.replace(out + ".tmp", out)
 
 
-def test_a_rank_leaving_its_groups_after_a_tp_step_frees_its_peer_at_once(tmp_path):
+def _peer_freed_at_once(tmp_path, fn, *args) -> None:
     out = tmp_path / "rank1.txt"
-    mp.spawn(_one_tp_step_then_one_rank_leaves, args=(_free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(fn, args=(_free_port(), str(out), *args), nprocs=2, join=True)
     result = out.read_text()
     assert "Connection" in result and "Timed out" not in result, result[:300]  # closed or reset by peer
+
+
+def test_a_rank_leaving_its_groups_after_a_tp_step_frees_its_peer_at_once(tmp_path):
+    _peer_freed_at_once(tmp_path, _one_tp_step_then_one_rank_leaves)
 
 
 def _a_rank_stops_its_second_forward_then_leaves(rank: int, port: int, out: str, kind: str) -> None:
@@ -101,25 +114,13 @@ def _a_rank_stops_its_second_forward_then_leaves(rank: int, port: int, out: str,
         del model  # what Python holds goes; what C++ holds (the graph, the work registry) stays
         gc.collect()
         leave_process_groups([mesh], sockets)
-        deadline = time.monotonic() + 2 * GROUP_TIMEOUT_S
-        while not os.path.exists(out) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _stay_until_answered(out)
         return
-    try:
-        model(x).sum().backward()  # its third block's collective waits on rank 0, which is leaving
-        result = "returned"
-    except Exception as exc:  # the outcome under test
-        result = str(exc)
-    with open(out + ".tmp", "w") as f:
-        f.write(result)
-    os.replace(out + ".tmp", out)
+    _answer(out, lambda: model(x).sum().backward())  # its third block's collective waits on rank 0
 
 
 @pytest.mark.parametrize("kind", ["fsdp2", "tp"])
 def test_a_rank_that_stopped_its_step_mid_way_frees_its_peer_at_once(tmp_path, kind):
     """Without GroupSockets the peer waited out the group's timeout (4 of 4 FSDP2 parameter groups
     alive after a full collection; under TP one collective left in torch's work registry)."""
-    out = tmp_path / "rank1.txt"
-    mp.spawn(_a_rank_stops_its_second_forward_then_leaves, args=(_free_port(), str(out), kind), nprocs=2, join=True)
-    result = out.read_text()
-    assert "Connection" in result and "Timed out" not in result, result[:300]
+    _peer_freed_at_once(tmp_path, _a_rank_stops_its_second_forward_then_leaves, kind)
