@@ -67,14 +67,19 @@ class GroupSockets:
     An exit does the same for a process; torchft runs gloo in a child process it can kill for
     this reason. Sockets are found in /proc/self/fd (Linux; elsewhere none are tracked), and one
     is shut down only if its descriptor still names the same socket (inode): never a socket
-    opened since under a reused number. Listening sockets are left alone."""
+    opened since under a reused number. Listening sockets are left alone. Only under gloo: NCCL
+    has an abort, and its own threads use the sockets of its communicators."""
 
-    def __init__(self):
+    def __init__(self, backend: str = "gloo"):
+        self.active = backend == "gloo"
         self._opened: dict[int, int] = {}  # descriptor -> socket inode
 
     @contextlib.contextmanager
     def tracked(self):
         """Every connection that appears while the block runs is the groups' it forms."""
+        if not self.active:
+            yield
+            return
         before = _connected_sockets()
         try:
             yield

@@ -160,13 +160,13 @@ def _whole_numel(module) -> int:
 
 
 _TIED_GROUPS: dict = {}
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def forget_tied_groups() -> None:
     """The process groups are gone (the rank left them): a later layout of the same shape must
     make its tied-embedding groups anew, in the new world, not reuse these."""
     _TIED_GROUPS.clear()
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def _tied_group(dims, coords):

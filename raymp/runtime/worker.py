@@ -57,7 +57,7 @@ class Worker(CheckpointCalls):
         self._kept = None  # keep_state()'s host copy, until restore_kept()
         self.broken = False  # a step lost a peer: no process group until rejoin()
         self.abandon = StepAbandon()  # set by abandon_step() from the control thread
-        self.sockets = GroupSockets()  # what the groups connected, shut when this rank leaves them
+        self.sockets = GroupSockets()  # what the groups connected, shut when this rank leaves them (gloo)
         freeze_what_is_here()
 
     # -- placement and rendezvous ---------------------------------------------------------
@@ -81,6 +81,7 @@ class Worker(CheckpointCalls):
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
+        self.sockets = GroupSockets(backend)  # the last world's were shut as this rank left it
         with self.sockets.tracked():
             # An explicit timeout: a rank whose peer died must fail, not hang forever (docs/design.md).
             dist.init_process_group(
