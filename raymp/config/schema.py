@@ -175,6 +175,9 @@ class TrainingConfig(_Strict):
                                  "never wait for the driver")
     compile: bool = Field(False, description="torch.compile each transformer block; the first step pays "
                           "for compiling (reported in the summary)")
+    memory_every: int = Field(
+        100, ge=0, description="steps between the ranks' memory measurements (saved activations, model-state "
+        "bytes); also measured on each set-up's first step and the run's last; 0: only those")
 
 
 class DataConfig(_Strict):
@@ -238,6 +241,10 @@ class ResourcesConfig(_Strict):
     setup_timeout_s: float = Field(
         600, gt=0, description="for the ranks to build their model part and load a checkpoint")
     collective_timeout_s: float = Field(300, gt=0, description="torch process-group timeout")
+    return_freed_memory: bool = Field(
+        False, description="fix glibc's mmap threshold at 1 MiB in each actor, so freed buffers of 1 MiB and more "
+        "go back to the OS at once: a lower peak RSS under ZeRO-3 (gather buffers), slower steps everywhere "
+        "(pages faulted in anew each step); Linux/glibc only, and it stays on in an actor once set")
 
 
 class CheckpointConfig(_Strict):

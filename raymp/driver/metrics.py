@@ -41,6 +41,7 @@ def step_metrics(step: int, reports: list[RankReport], layout: Layout, cfg: RunC
         "sample_ids": np.concatenate([reports[layout.rank_of(dp=d, pp=0, tp=0)].sample_ids for d in range(layout.dp)]),
         "peak_mem_bytes_max": max(r.peak_mem_bytes for r in reports),
         "memory_measured_bytes_max": max(r.measured_bytes for r in reports),
+        "memory_step": reports[0].memory_step,  # the step those bytes were measured on (train.memory_every)
         "memory_estimate_bytes_max": estimate_bytes,
         "model_tflops_per_device": achieved,
         "mfu": achieved / peak_tflops if peak_tflops else None,

@@ -73,8 +73,9 @@ class RunTracking:
     def on_step(self, metrics: dict) -> None:
         logged = {k: metrics[k] for k in LOGGED if metrics.get(k) is not None}
         logged["peak_mem_mb_max"] = metrics["peak_mem_bytes_max"] / 2**20
-        logged["memory_measured_mb_max"] = metrics["memory_measured_bytes_max"] / 2**20
-        logged["memory_estimate_mb_max"] = metrics["memory_estimate_bytes_max"] / 2**20
+        if metrics["memory_step"] == metrics["step"]:  # measured on this step, not carried from an earlier one
+            logged["memory_measured_mb_max"] = metrics["memory_measured_bytes_max"] / 2**20
+            logged["memory_estimate_mb_max"] = metrics["memory_estimate_bytes_max"] / 2**20
         for r in metrics["per_rank"]:
             logged[f"peak_mem_mb.rank{r['rank']}"] = r["peak_mem_bytes"] / 2**20
         self.tracker.log_metrics(metrics["step"], logged)

@@ -142,11 +142,19 @@ class ActivationMeter:
         # Called at every activation saved (forward) or used (backward): the points where a
         # step can be stopped mid-way (raymp.runtime.peer_loss.StepAbandon sets it).
         self.on_activation = _nothing
+        # Counting costs a Python object per saved tensor (5% of a `tiny` step on one core), so
+        # it runs only on the steps that report memory (the worker's measures_memory).
+        self.measuring = True
 
     def reset_peak(self) -> None:
         self.peak = self.live
 
     def hooks(self):
+        """Saved-tensor hooks for one forward: counting ones while measuring, else ones that only
+        call on_activation (or none, when nothing is to be called)."""
+        return self._counting() if self.measuring else self._stop_points()
+
+    def _counting(self):
         meter = self
 
         class _Saved:
@@ -182,6 +190,17 @@ class ActivationMeter:
             return saved.tensor
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def _stop_points(self):
+        check = self.on_activation
+        if check is _nothing:
+            return contextlib.nullcontext()
+
+        def pass_through(t):
+            check()
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pass_through, pass_through)
 
     def _release(self, key: int) -> None:
         entry = self._refs[key]

@@ -48,7 +48,9 @@ def return_large_buffers_to_os() -> None:
     the gathered parameters and gradients ZeRO-3 makes and frees every block come from the heap
     and stay resident after free. Measured (benchmarks/scale.py's ladder, 23.7M parameters, two
     gloo ranks under FSDP2): peak RSS growth over two steps 580 MiB with the default, 215 MiB with
-    the threshold fixed, for 135 MiB of model state."""
+    the threshold fixed, for 135 MiB of model state. It costs time: every buffer of 1 MiB or more
+    is mapped and faulted in anew each step, so it is a setting (resources.return_freed_memory),
+    off by default; docs/design.md gives the trade."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):

@@ -23,6 +23,7 @@ class RankReport:
     activation_peak_bytes: int = 0
     loss_saved_peak_bytes: int = 0
     logits_bytes: int = 0
+    memory_step: int = -1  # the step the memory figures above were measured on (measures_memory)
     sample_ids: np.ndarray | None = None  # first-stage ranks: the samples this rank read
     checkpoint: dict | None = None  # a save's outcome, when one finished since the last step
     pipeline_events: list = field(default_factory=list)  # pipelines: this rank's stage clock
@@ -39,3 +40,11 @@ class RankReport:
         for key in ("sample_ids", "checkpoint", "pipeline_events"):
             out.pop(key)
         return out
+
+
+def measures_memory(step: int, first_of_setup: bool, steps: int, every: int) -> bool:
+    """Whether a rank measures its memory on `step` (train.memory_every): counting saved
+    activations and model-state bytes costs time, so it runs on a set-up's first step, the
+    run's last (`steps` in all) and every `every` steps; a report between carries the last
+    measurement and the step it was taken on."""
+    return first_of_setup or step == steps - 1 or (every > 0 and (step + 1) % every == 0)

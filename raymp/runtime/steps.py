@@ -117,8 +117,15 @@ class LocalStep:
                 (loss / n).backward()
             loss_sum += local_tensor(loss.detach())
         self.engine.finish_gradients()
-        peak, _ = self.meter.peak, self.meter.reset_peak()
-        return {"loss": _cp_mean(loss_sum, self.mesh) / n, "activation_peak_bytes": peak, **self.loss_meter.report()}
+        out = {"loss": _cp_mean(loss_sum, self.mesh) / n}
+        if self.meter.measuring:
+            out.update(activation_peak_bytes=self.meter.peak, **self.loss_meter.report())
+        return out
+
+    def measure_memory(self, on: bool) -> None:
+        """Whether the next forward_backward counts saved activations and the loss's bytes."""
+        self.meter.measuring = self.loss_meter.measuring = on
+        self.meter.reset_peak()
 
     @torch.no_grad()
     def evaluate(self, tokens: np.ndarray) -> float:
@@ -140,8 +147,11 @@ class LossMeter:
     def __init__(self):
         self.meter = ActivationMeter()
         self.logits_bytes = 0
+        self.measuring = True
 
     def measure(self, loss_fn, logits, labels):
+        if not self.measuring:
+            return loss_fn(logits, labels)
         local = local_tensor(logits)
         self.logits_bytes = max(self.logits_bytes, local.numel() * local.element_size())
         with self.meter.hooks():
@@ -352,13 +362,19 @@ class PipelineStep:
             send.wait()
         self.engine.finish_gradients()
         self._sync_tied_grads()
-        return {
+        out = {
             "loss": _cp_mean(torch.stack([local_tensor(x.detach()) for x in losses]).mean(), self.mesh)
             if self.is_last else None,
             "pipeline_events": list(self.clock.events),
-            "activation_peak_bytes": self.meter.peak,
-            **(self.loss_meter.report() if self.is_last else {}),
         }
+        if self.meter.measuring:
+            out.update(activation_peak_bytes=self.meter.peak, **(self.loss_meter.report() if self.is_last else {}))
+        return out
+
+    def measure_memory(self, on: bool) -> None:
+        """As LocalStep's."""
+        self.meter.measuring = self.loss_meter.measuring = on
+        self.meter.reset_peak()
 
     def _sync_tied_grads(self) -> None:
         """Tied embedding and head live on two stages; each got part of the gradient. Sum the

@@ -32,8 +32,12 @@ from raymp.runtime.gradients import full_gradients
 from raymp.runtime.peer_loss import GroupSockets, StepAbandon, is_peer_loss, leave_process_groups
 from raymp.runtime.process_memory import (freeze_what_is_here, peak_memory, peak_rss, reset_peak_rss,
                                           return_large_buffers_to_os)
-from raymp.runtime.report import RankReport
+from raymp.runtime.report import RankReport, measures_memory
 from raymp.runtime.steps import LocalStep, PipelineStep, forget_tied_groups
+
+
+# What a step program's forward_backward reports on a step that measures memory.
+STEP_MEMORY_KEYS = ("activation_peak_bytes", "loss_saved_peak_bytes", "logits_bytes")
 
 
 class Worker(CheckpointCalls):
@@ -41,7 +45,6 @@ class Worker(CheckpointCalls):
 
     def __init__(self, num_threads: int):
         os.environ["OMP_NUM_THREADS"] = str(num_threads)
-        return_large_buffers_to_os()
 
         # Each actor gets its share of cores; torch's default (all cores per process) makes
         # co-located actors fight and steps run ~20x slower (docs/design.md).
@@ -55,6 +58,7 @@ class Worker(CheckpointCalls):
         self.peer_copy = None  # a PeerCopyWriter beside the checkpointer, on its group
         self._meshes = {}
         self._kept = None  # keep_state()'s host copy, until restore_kept()
+        self._memory = None  # the last memory measurement (measures_memory), and its step
         self.broken = False  # a step lost a peer: no process group until rejoin()
         self.abandon = StepAbandon()  # set by abandon_step() from the control thread
         self.sockets = GroupSockets()  # what the groups connected, shut when this rank leaves them (gloo)
@@ -149,6 +153,8 @@ class Worker(CheckpointCalls):
             self.peer_copy.wait_written()  # a copy of it
         self._drop_model()  # the previous set-up's model goes first
         self.cfg, dims = cfg, cfg.parallel.layout
+        if cfg.resources.return_freed_memory:
+            return_large_buffers_to_os()
         self.coords = dims.coords(self.rank)
         spec = model_spec(cfg.model, vocab_size, cfg.seed)
         if not kept:  # a survivor built this model before: its code is imported (a meta build: 25 ms)
@@ -161,6 +167,7 @@ class Worker(CheckpointCalls):
                             if dims.pp > 1 else LocalStep(cfg, spec, mesh, self.coords, self.device, document_eot, kept))
         self.engine = self.program.engine
         self.program.meter.on_activation = self.abandon.check
+        self._memory = None  # measured on this set-up's first step
         self.scheduler = build_scheduler(self.engine.optimizer, cfg.optimizer, cfg.train.steps)
         self.eval_tokens = []
         info = {"rank": self.rank, "coords": self.coords, "num_params": self.program.num_params,
@@ -243,7 +250,10 @@ class Worker(CheckpointCalls):
         data_wait = 0.0
         if self.stream is not None:
             sample_ids, tokens, data_wait = self.stream.next(step)
+        measure = measures_memory(step, self._memory is None, self.cfg.train.steps, self.cfg.train.memory_every)
+        self.program.measure_memory(measure)
         out = self.program.forward_backward(tokens)
+        memory = {key: out.pop(key) for key in STEP_MEMORY_KEYS if key in out}
         p = self.cfg.parallel
         grad_norm = self.engine.clip_grad_norm(
             self.cfg.optimizer.grad_clip, p.layout.data_parallel_size * p.tp, self.program.counted_elsewhere
@@ -251,12 +261,14 @@ class Worker(CheckpointCalls):
         self.engine.optimizer.step()
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
-        state = self.engine.state_bytes()
+        if measure:  # between optimizer.step() and zero_grad(): every kind of state exists
+            self._memory = {**memory, **self.engine.state_bytes(), "memory_step": step}
         self.engine.optimizer.zero_grad(set_to_none=True)
         self.engine.after_optimizer_step()
         return RankReport(rank=self.rank, **out, sample_ids=sample_ids, data_wait_s=data_wait,
                           grad_norm=grad_norm, lr=lr, compute_s=time.perf_counter() - t0,
-                          peak_mem_bytes=peak_memory(self.device), checkpoint=self.checkpointer.poll(), **state)
+                          peak_mem_bytes=peak_memory(self.device), checkpoint=self.checkpointer.poll(),
+                          **self._memory)
 
     def evaluate(self) -> float | None:
         """Mean validation loss over the held-out batches (last stages return it)."""

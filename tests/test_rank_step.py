@@ -1,0 +1,82 @@
+"""A rank's step does measurement work only on the steps that report it (train.memory_every):
+counted calls, not time. One in-process Worker on a one-rank gloo group, no Ray."""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+
+from raymp.config import config_from_dict
+from raymp.parallel.pipeline import ActivationMeter
+from raymp.parallel.zero import DataParallelEngine
+from raymp.runtime.report import measures_memory
+from raymp.runtime.worker import Worker
+
+
+class _Batches:
+    """Stands in for the data stream: fixed random tokens for every step."""
+
+    def __init__(self, steps: int, rows: int, seq_len: int):
+        rng = np.random.default_rng(0)
+        self.batches = [rng.integers(0, 256, (rows, seq_len + 1)) for _ in range(steps)]
+
+    def next(self, step: int):
+        return np.arange(len(self.batches[step])), self.batches[step], 0.0
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def worker():
+    w = Worker(1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    w.init_distributed(0, 1, "127.0.0.1", port, "gloo", 60)
+    yield w
+    w.shutdown()
+
+
+def _config(tmp_path, steps: int, memory_every: int):
+    return config_from_dict({
+        "name": "rank-step", "output_dir": str(tmp_path), "model": {"preset": "tiny"},
+        "parallel": {"dp": 1, "micro_batch_size": 2},
+        "train": {"steps": steps, "global_batch_size": 4, "seq_len": 32, "memory_every": memory_every},
+        "optimizer": {"warmup_steps": 1}, "tracking": {"enabled": False}, "resources": {"device": "cpu"},
+    })
+
+
+@pytest.mark.parametrize("every, measured", [(0, {0, 5}), (2, {0, 1, 3, 5}), (1, set(range(6)))])
+def test_measurement_runs_only_on_the_steps_that_report_it(worker, tmp_path, monkeypatch, every, measured):
+    calls = {"counting": [], "state_bytes": []}
+    step_now = [None]
+
+    def counted(name, original):
+        def wrapper(self, *args, **kwargs):
+            calls[name].append(step_now[0])
+            return original(self, *args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(ActivationMeter, "_counting", counted("counting", ActivationMeter._counting))
+    monkeypatch.setattr(DataParallelEngine, "state_bytes", counted("state_bytes", DataParallelEngine.state_bytes))
+    worker.setup(_config(tmp_path, 6, every), 256)
+    worker.stream = _Batches(6, 4, 32)
+    reports = []
+    for step in range(6):
+        step_now[0] = step
+        reports.append(worker.train_step(step))
+    # Two micro-batches: the model's forward and the loss's each open counting hooks once per micro-batch.
+    assert set(calls["counting"]) == measured and len(calls["counting"]) == 4 * len(measured)
+    assert calls["state_bytes"] == sorted(measured)
+    for step, report in enumerate(reports):
+        taken = max(s for s in measured if s <= step)
+        assert report.memory_step == taken
+        assert report.activation_peak_bytes > 0 and report.param_bytes > 0
+
+
+def test_the_memory_rule():
+    assert [s for s in range(10) if measures_memory(s, s == 0, 10, 4)] == [0, 3, 7, 9]
+    assert [s for s in range(10) if measures_memory(s, False, 10, 0)] == [9]
