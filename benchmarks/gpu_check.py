@@ -1,27 +1,41 @@
 """The GPU check, in one command: `python -m benchmarks.gpu_check` on a machine with CUDA GPUs.
 
-Trains a Llama-1B-shaped model (preset `llama-1b`) in bf16:
-- a plain single-process torch loop (raymp.reference, the loop every parity test compares with:
-  the same model builder, learning-rate schedule, autocast and fused AdamW): the yardstick;
-- raymp dp=1 on one GPU, and dp=N ZeRO-3 over NCCL when N >= 2 GPUs are visible;
-- raymp dp=1 ZeRO-2 with the optimizer state offloaded to the CPU (optimizer.cpu_offload).
-For each: tokens/s, MFU against the GPU's dense bf16 peak and against the plain loop, and the
-CUDA peak memory beside the planner's estimate. Writes a "GPU check" section into BENCHMARKS.md
+Trains a Llama-1B-shaped model (preset `llama-1b`) on one GPU, each run for a few steps:
+- a plain single-process torch loop (raymp.reference: the loop every parity test compares with,
+  the same model code, learning-rate schedule and fused AdamW), bf16, eager: the yardstick;
+- raymp dp=1 in bf16, eager and compiled (regional torch.compile, the default on CUDA);
+- raymp dp=1 in fp8 (torchao float8 linears in the blocks), tensorwise and rowwise scaling,
+  compiled, each with its guardrail: its per-step losses against the compiled bf16 run's;
+- raymp dp=N ZeRO-3 over NCCL when N >= 2 GPUs are visible.
+The micro-batch and activation checkpointing are the planner's choice for the GPU's memory.
+For each: tokens/s, MFU against the GPU's dense bf16 peak (fp8 runs too, as torchtitan reports
+them) and against the plain loop, the CUDA peak memory beside the planner's estimate, the first
+and last loss. A run that fails is a row with its error, not the end of the check; a time budget
+(--budget-s) skips what would not fit. Writes a "GPU check" section into BENCHMARKS.md
 (replacing an earlier one) and prints it. The parts that need no GPU (arguments, the peak
-lookup, MFU arithmetic, the section text) are tested on CPU in tests/test_gpu_check.py.
+lookup, MFU arithmetic, the guardrail, the section text) are tested on CPU in
+tests/test_gpu_check.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import tempfile
 import time
+import traceback
 
 from benchmarks.common import REPO, median, peak_tflops_of, run_config, steady
 
 TITLE = "## GPU check"
-OFFLOAD_STEPS = 5
+# An fp8 run passes its guardrail when the mean of its last three losses is within this fraction
+# of the compiled bf16 run's (same weights, same batches); each step's difference is shown too.
+GUARD_BAND = 0.03
+# A learning rate at which bf16 itself trains smoothly on a 1B model: at raymp's default (3e-3, tuned
+# for the tiny presets) bf16 runs spike and part by 8% from each other, too wide for a guardrail.
+LR = 3e-4
+TORCHTITAN_ROW = "torchtitan 0.3.0, its own train script"
 
 
 def options(argv=None) -> argparse.Namespace:
@@ -32,8 +46,15 @@ def options(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per run (the first two are dropped)")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs for the dp=N run (default: all visible)")
     parser.add_argument("--gpu-name", default=None, help=argparse.SUPPRESS)  # tests: the name to look up
+    # tests: the whole check's flow on CPU ranks (a small preset), with the GPU's numbers made up
+    parser.add_argument("--dry-run-on-cpu", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="dense bf16 peak per GPU (default: looked up from the GPU's name)")
+    parser.add_argument("--budget-s", type=float, default=390,
+                        help="wall-clock budget for all runs; a run that would start past it is skipped")
+    parser.add_argument("--skip-parity", action="store_true", help="leave out the fp32 parity table")
+    parser.add_argument("--torchtitan-note", default=None,
+                        help="why torchtitan's row was not run, when it was not (printed in its row)")
     parser.add_argument("--out", default=os.path.join(REPO, "BENCHMARKS.md"),
                         help="the Markdown file whose GPU check section is replaced (or appended)")
     opts = parser.parse_args(argv)
@@ -58,18 +79,37 @@ def mfu(step_flops: float, step_s: float, gpus: int, peak_tflops: float) -> floa
     return step_flops / step_s / gpus / (peak_tflops * 1e12)
 
 
-def section(rows: list[dict], setup: str) -> str:
+def guardrail(losses: list[float], reference: list[float], band: float = GUARD_BAND) -> dict:
+    """An fp8 run's losses against the bf16 run's: the largest per-step relative difference, the
+    difference of the last three steps' means, and whether that is within `band`."""
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+    tail = min(3, len(losses))
+    end = abs(sum(losses[-tail:]) - sum(reference[-tail:])) / abs(sum(reference[-tail:]))
+    return {"worst_step": worst, "end": end, "within": end <= band}
+
+
+def section(rows: list[dict], setup: str, notes: list[str] = ()) -> str:
     """The GPU check's Markdown section from its runs (each: run, gpus, tokens_per_s, mfu, vs_plain,
-    peak_gib, estimate_gib, first_loss, loss). The first step's loss (same weights, same batch)
-    shows every run trained the same model on the same data; later losses drift apart in bf16."""
+    peak_gib, estimate_gib, first_loss, loss, and for fp8 runs guard; or run and error). The
+    first step's loss (same weights, same batch) shows every run trained the same model on the
+    same data; later losses drift apart in bf16."""
     lines = [TITLE, "", setup, "",
-             "| run | GPUs | tokens/s | MFU | MFU vs plain loop | CUDA peak (GiB) | planner's estimate (GiB) | first loss | last loss |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| run | GPUs | tokens/s | MFU | vs plain loop | CUDA peak (GiB) | planner's estimate (GiB) | first loss | last loss | fp8 guardrail vs bf16 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['run']} | - | - | - | - | - | - | - | - | {r['error']} |")
+            continue
         estimate = "-" if r.get("estimate_gib") is None else f"{r['estimate_gib']:.1f}"
+        guard = "-"
+        if r.get("guard"):
+            g = r["guard"]
+            guard = (f"{'within' if g['within'] else 'OUTSIDE'} {GUARD_BAND:.0%}: last 3 steps {g['end']:.2%} apart, "
+                     f"worst step {g['worst_step']:.2%}")
         lines.append(f"| {r['run']} | {r['gpus']} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
-                     f"{r['vs_plain']:.2f}x | {r['peak_gib']:.1f} | {estimate} | {r['first_loss']:.4f} | {r['loss']:.4f} |")
-    return "\n".join(lines) + "\n"
+                     f"{r['vs_plain']:.2f}x | {r['peak_gib']:.1f} | {estimate} | {r['first_loss']:.4f} | {r['loss']:.4f} | {guard} |")
+    lines += [""] + [f"- {n}" for n in notes]
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def replace_section(text: str, new: str, title: str = TITLE) -> str:
@@ -99,20 +139,27 @@ def _plain_loop(cfg_dict: dict, steps: int) -> dict:
 
     from raymp.config import config_from_dict
     from raymp.reference import train_single_process
+    from raymp.runtime.process_memory import peak_memory
 
-    device = torch.device("cuda", 0)
+    cuda = cfg_dict["resources"]["device"] == "cuda"
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     ends = []
 
     def step_done(step: int) -> None:
-        torch.cuda.synchronize(device)
+        if cuda:
+            torch.cuda.synchronize(device)
         ends.append(time.perf_counter())
 
-    torch.cuda.reset_peak_memory_stats(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     losses, _ = train_single_process(config_from_dict(cfg_dict), steps, device, step_done)
     times = [b - a for a, b in zip([start] + ends, ends)]
-    return {"step_s": median(steady(times)), "losses": losses,
-            "peak_bytes": torch.cuda.max_memory_allocated(device), "estimate_bytes": None}
+    peak = peak_memory(device)
+    if cuda:  # this process's allocator would keep the loop's memory from the raymp ranks after it
+        gc.collect()
+        torch.cuda.empty_cache()
+    return {"step_s": median(steady(times)), "losses": losses, "peak_bytes": peak, "estimate_bytes": None}
 
 
 def _raymp(cfg_dict: dict) -> dict:
@@ -126,8 +173,7 @@ def _raymp(cfg_dict: dict) -> dict:
 
 
 PARITY_RUNS = {"raymp dp=1 (DDP)": {}, "raymp dp=1 ZeRO-2 (FSDP2)": {"zero": 2},
-               "raymp dp=1 ZeRO-3 (FSDP2)": {"zero": 3},
-               "raymp dp=1 ZeRO-2, optimizer on CPU": {"zero": 2, "optimizer": {"cpu_offload": True}}}
+               "raymp dp=1 ZeRO-3 (FSDP2)": {"zero": 3}}
 
 
 def parity_rows(device: str, out: str, steps: int = 5) -> list[dict]:
@@ -139,12 +185,10 @@ def parity_rows(device: str, out: str, steps: int = 5) -> list[dict]:
     from raymp.reference import train_single_process
 
     shape = dict(preset="small", seq_len=256, global_batch=8, micro_batch=2, steps=steps, device=device,
-                 cpus_per_actor=1)
+                 cpus_per_actor=1, train={"compile": False})  # the engines' math, eager like the reference
     reference, _ = train_single_process(config_from_dict(run_config("gpu-parity", out, **shape)), steps, device)
     rows = []
     for name, extra in PARITY_RUNS.items():
-        if device == "cpu" and "optimizer" in extra:
-            continue  # optimizer offload is refused on CPU ranks
         losses = _raymp(run_config("gpu-parity", out, **shape, **extra))["losses"]
         worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
         rows.append({"run": name, "steps": steps, "worst": worst})
@@ -161,6 +205,47 @@ def parity_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def planned_micro_batch(opts, gpu_gib: float) -> tuple[int, bool]:
+    """The planner's micro-batch and activation checkpointing for this shape on one GPU of
+    `gpu_gib`: the fastest layout that fits (the larger micro-batch among equals)."""
+    from raymp.config import config_from_dict
+    from raymp.models import model_args
+    from raymp.planner import plan
+    from raymp.step_time import Cluster
+
+    cfg = config_from_dict(run_config("plan", tempfile.gettempdir(), preset=opts.preset, seq_len=opts.seq_len,
+                                      global_batch=opts.batch_per_gpu, precision="bf16"))
+    cluster = Cluster(nodes=1, gpus_per_node=1, gpu_memory_gb=gpu_gib * 2**30 / 1e9)
+    best = plan(model_args(cfg.model, 256), cluster, opts.batch_per_gpu, opts.seq_len, True).best
+    if best is None:
+        raise SystemExit(f"gpu_check: the planner finds no layout of {opts.preset} that fits one GPU of {gpu_gib:.0f} GiB")
+    return best.layout.micro_batch_size, best.layout.activation_checkpointing
+
+
+def the_runs(opts) -> dict:
+    """name -> (GPUs, runner, config changes), in the order they run: what matters most first."""
+    runs = {"plain torch loop (1 process), bf16 eager": (1, lambda cfg: _plain_loop(cfg, opts.steps), {}),
+            "raymp dp=1, bf16 compiled": (1, _raymp, {"train": {"compile": True}}),
+            "raymp dp=1, fp8 tensorwise compiled": (1, _raymp, {"precision": "fp8", "train": {"compile": True}}),
+            "raymp dp=1, bf16 eager": (1, _raymp, {"train": {"compile": False}}),
+            "raymp dp=1, fp8 rowwise compiled": (1, _raymp, {"precision": "fp8", "train": {"compile": True},
+                                                             "float8": {"recipe": "rowwise"}})}
+    if opts.gpus >= 2:
+        runs[f"raymp dp={opts.gpus} ZeRO-3 (NCCL), bf16 compiled"] = (opts.gpus, _raymp, {"zero": 3, "train": {"compile": True}})
+    return runs
+
+
+def _merge(cfg: dict, changes: dict) -> dict:
+    for key, value in changes.items():
+        if key == "zero":
+            cfg["parallel"]["zero"] = value
+        elif isinstance(value, dict):
+            cfg.setdefault(key, {}).update(value)
+        else:
+            cfg[key] = value
+    return cfg
+
+
 def main(argv=None) -> None:
     import torch
 
@@ -169,40 +254,65 @@ def main(argv=None) -> None:
     from raymp.step_time import step_flops
 
     opts = options(argv)
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    resolve_gpus(opts, visible, torch.cuda.get_device_name(0) if visible else None)
+    began = time.perf_counter()
+    device = "cpu" if opts.dry_run_on_cpu else "cuda"
+    if opts.dry_run_on_cpu:
+        visible, gpu_name, gpu_gib = 1, "CPU (dry run)", 8.0
+    else:
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        gpu_name = torch.cuda.get_device_name(0) if visible else None
+        gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if visible else 0
+    resolve_gpus(opts, visible, gpu_name)
+    micro, checkpointed = planned_micro_batch(opts, gpu_gib)
     out = tempfile.mkdtemp(prefix="raymp-gpu-check-")
-    shape = dict(preset=opts.preset, seq_len=opts.seq_len, device="cuda", precision="bf16", steps=opts.steps,
-                 micro_batch=1, cpus_per_actor=4, optimizer={"fused": True})
-    runs = {"plain torch loop (1 process)": (1, lambda cfg: _plain_loop(cfg, opts.steps), {}),
-            "raymp dp=1": (1, _raymp, {})}
-    if opts.gpus >= 2:
-        runs[f"raymp dp={opts.gpus} ZeRO-3 (NCCL)"] = (opts.gpus, _raymp, {"zero": 3})
-    runs["raymp dp=1 ZeRO-2, optimizer on CPU"] = (1, _raymp, {"zero": 2, "cpu_offload": True})
-    parity = parity_rows("cuda", out)
-    rows, plain_mfu = [], None
-    for name, (gpus, fn, extra) in runs.items():
-        offload = extra.pop("cpu_offload", False)
-        cfg = run_config(f"gpu-check-{gpus}", out, dp=gpus, global_batch=opts.batch_per_gpu * gpus, **extra, **shape)
-        if offload:  # a step is bound by the host's optimizer: fewer of them
-            cfg["optimizer"]["cpu_offload"] = True
-            cfg["train"]["steps"] = min(opts.steps, OFFLOAD_STEPS)
+    rows, bf16_losses, plain_mfu = [], None, None
+    for name, (gpus, fn, changes) in the_runs(opts).items():
+        if time.perf_counter() - began > opts.budget_s:
+            rows.append({"run": name, "error": f"not run: the check's {opts.budget_s:.0f} s budget was spent"})
+            continue
+        cfg = run_config(f"gpu-check-{gpus}", out, preset=opts.preset, seq_len=opts.seq_len, device=device,
+                         precision="bf16", steps=opts.steps, dp=gpus, global_batch=opts.batch_per_gpu * gpus,
+                         micro_batch=micro, cpus_per_actor=1 if opts.dry_run_on_cpu else 4,
+                         optimizer={"fused": True, "lr": LR})
+        cfg["parallel"]["activation_checkpointing"] = checkpointed
+        cfg = _merge(cfg, changes)
         cfg["tracking"] = {"enabled": False, "peak_tflops_per_device": opts.peak_tflops}
-        r = fn(cfg)
+        t0 = time.perf_counter()
+        try:
+            r = fn(cfg)
+        except Exception as exc:  # one failed run is a row, not the end of the check
+            traceback.print_exc()
+            last = [line for line in str(exc).splitlines() if line.strip()][-1]  # a remote error's own line
+            rows.append({"run": name, "error": f"failed: {' '.join(last.split())[:240]}"})
+            continue
         flops = step_flops(model_args(config_from_dict(cfg).model, 256), cfg["train"]["global_batch_size"], opts.seq_len)
         utilisation = mfu(flops, r["step_s"], gpus, opts.peak_tflops)
         plain_mfu = plain_mfu or utilisation
-        rows.append({"run": name, "gpus": gpus, "tokens_per_s": cfg["train"]["global_batch_size"] * opts.seq_len / r["step_s"],
-                     "mfu": utilisation, "vs_plain": utilisation / plain_mfu, "peak_gib": r["peak_bytes"] / 2**30,
-                     "estimate_gib": None if r["estimate_bytes"] is None else r["estimate_bytes"] / 2**30,
-                     "first_loss": r["losses"][0], "loss": r["losses"][-1]})
-        print(rows[-1], flush=True)
-    setup = (f"`python -m benchmarks.gpu_check` on {visible} x {torch.cuda.get_device_name(0)} (dense bf16 peak "
-             f"{opts.peak_tflops:g} TFLOP/s per GPU), torch {torch.__version__}. Model `{opts.preset}`, bf16, "
-             f"seq_len {opts.seq_len}, {opts.batch_per_gpu} sequences per GPU per step, micro-batch 1, fused AdamW, "
-             f"median step of steps 3..{opts.steps} (3..{min(opts.steps, OFFLOAD_STEPS)} with the optimizer on the CPU). CUDA peak is torch.cuda.max_memory_allocated (the largest rank); the planner's "
-             "estimate is model state and saved activations wherever they live (offloaded state included).")
-    text = section(rows, setup) + "\n" + parity_table(parity)
+        row = {"run": name, "gpus": gpus, "tokens_per_s": cfg["train"]["global_batch_size"] * opts.seq_len / r["step_s"],
+               "mfu": utilisation, "vs_plain": utilisation / plain_mfu, "peak_gib": r["peak_bytes"] / 2**30,
+               "estimate_gib": None if r["estimate_bytes"] is None else r["estimate_bytes"] / 2**30,
+               "first_loss": r["losses"][0], "loss": r["losses"][-1], "losses": r["losses"],
+               "wall_s": time.perf_counter() - t0}
+        if name == "raymp dp=1, bf16 compiled":
+            bf16_losses = r["losses"]
+        if cfg.get("precision") == "fp8" and bf16_losses:
+            row["guard"] = guardrail(r["losses"], bf16_losses)
+        rows.append(row)
+        print({k: v for k, v in row.items() if k != "losses"}, flush=True)
+    rows.append({"run": TORCHTITAN_ROW, "error": opts.torchtitan_note or "not run"})
+    parity = [] if opts.skip_parity or time.perf_counter() - began > opts.budget_s else parity_rows(device, out)
+    setup = (f"`python -m benchmarks.gpu_check` on {visible} x {gpu_name} (dense bf16 peak "
+             f"{opts.peak_tflops:g} TFLOP/s per GPU), torch {torch.__version__}. Model `{opts.preset}` (byte "
+             f"vocabulary), seq_len {opts.seq_len}, {opts.batch_per_gpu} sequences per GPU per step in micro-batches "
+             f"of {micro} ({'with' if checkpointed else 'no'} activation checkpointing: the planner's choice for "
+             f"{gpu_gib:.0f} GiB), fused AdamW at learning rate {LR:g} after one warm-up step, median step of steps "
+             f"3..{opts.steps}. MFU is against the bf16 peak for "
+             "every run, fp8 included. CUDA peak is torch.cuda.max_memory_allocated (the largest rank); the "
+             "planner's estimate is model state and saved activations. Whole check: "
+             f"{time.perf_counter() - began:.0f} s.")
+    notes = [f"fp8 guardrail: the mean loss of the last three steps within {GUARD_BAND:.0%} of the compiled bf16 "
+             "run's (same initial weights and batches)."]
+    text = section(rows, setup, notes) + ("\n" + parity_table(parity) if parity else "")
     print(text)
     with open(opts.out) as f:
         current = f.read()

@@ -245,7 +245,7 @@ def _plan(args) -> int:
     margs = model_args(cfg.model, vocab)
     shape = model_shape(cfg.model, vocab, cfg.data.tokenizer)
     spec = cluster_from_config(cfg.cluster)
-    bf16 = cfg.precision == "bf16"
+    bf16 = cfg.bf16
     print(f"{cfg.model.preset or 'model'}: {margs.num_params / 1e9:.2f}B parameters on "
           f"{spec.nodes} x {spec.gpus_per_node} devices of {spec.gpu_memory_gb:g} GB; global batch "
           f"{cfg.train.global_batch_size} x {cfg.train.seq_len} tokens; {cfg.precision}")

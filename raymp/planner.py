@@ -196,7 +196,11 @@ class Plan:
 
     @property
     def feasible(self) -> list[Candidate]:
-        return sorted((c for c in self.candidates if c.fits), key=lambda c: -c.time["tokens_per_s"])
+        """The layouts that fit, fastest first; among equally fast ones the larger micro-batch first:
+        the time model prices FLOPs and bytes, not kernel efficiency, and a larger micro-batch
+        gives larger matmuls and fewer launches (on a GPU, the difference between mbs 1 and 4)."""
+        return sorted((c for c in self.candidates if c.fits),
+                      key=lambda c: (-c.time["tokens_per_s"], -c.layout.micro_batch_size))
 
     @property
     def best(self) -> Candidate | None:

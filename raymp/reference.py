@@ -28,7 +28,10 @@ def train_single_process(cfg: RunConfig, steps: int | None = None, device: str |
     model = build_model(model_spec(cfg.model, data.vocab_size, cfg.seed), cfg.seed, device)
     optimizer = build_optimizer(model.parameters(), cfg.optimizer)
     scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.train.steps)
-    autocast_dtype = torch.bfloat16 if cfg.precision == "bf16" else None
+    if cfg.precision == "fp8":
+        raise ValueError("the single-process reference trains fp32 or bf16, not fp8 (float8 is applied to "
+                         "distributed runs only); compare an fp8 run with a bf16 one")
+    autocast_dtype = torch.bfloat16 if cfg.bf16 else None
     eot = document_eot(cfg, data)
     losses = []
     for step in range(steps or cfg.train.steps):

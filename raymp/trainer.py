@@ -32,6 +32,7 @@ from raymp.elastic.controller import ElasticController, FailurePolicy, ScalingPo
 from raymp.elastic.peer_copies import PeerCopies
 from raymp.progress import StepProgress
 from raymp.runtime.actor_group import ActorGroup, WorkerLostError
+from raymp.config.rules import compiles
 from raymp.runtime.cluster import connect, resolve_device
 from raymp.timeline import run_timeline
 
@@ -267,7 +268,7 @@ class Trainer:
                         self.session.memory_estimate)
 
     def summary(self) -> str:
-        return summary(self.history, self.feed, self.data.manifest, self.tracking, self.config.train.compile)
+        return summary(self.history, self.feed, self.data.manifest, self.tracking, compiles(self.config, self.device))
 
     # -- tear-down ----------------------------------------------------------------------------
 

@@ -87,9 +87,21 @@ BAD = {
     "heads vs kv heads": ({"model": {"n_heads": 4, "n_kv_heads": 3}}, ["model.n_heads (4)", "model.n_kv_heads (3)"]),
     "dim vs heads": ({"model": {"dim": 66}}, ["model.dim (66)", "model.n_heads"]),
     "negative lr": ({"optimizer": {"lr": -1}}, ["optimizer.lr", "greater than 0"]),
-    "warmup beyond steps": ({"train": {"steps": 10}, "optimizer": {"warmup_steps": 10}}, ["optimizer.warmup_steps (10)"]),
     "offload without sharding": ({"optimizer": {"cpu_offload": True}}, ["optimizer.cpu_offload", "parallel.zero"]),
-    "fp16 on cpu": ({"precision": "fp16"}, ["fp16", "bf16"]),
+    "warmup beyond steps": ({"train": {"steps": 10}, "optimizer": {"warmup_steps": 10}}, ["optimizer.warmup_steps (10)"]),
+    "fp16 anywhere": ({"precision": "fp16", "resources": {"device": "cuda"}}, ["fp16 is not supported", "bf16"]),
+    "fp8 on cpu": ({"precision": "fp8"}, ["precision fp8 needs CUDA", "resources.device=cuda"]),
+    "fp8 under tp": ({"precision": "fp8", "resources": {"device": "cuda"}, "parallel": {"tp": 2}},
+                     ["parallel.tp > 1", "precision=bf16"]),
+    "fp8 with a Hugging Face model": ({"precision": "fp8", "resources": {"device": "cuda"},
+                                       "model": {"hf_config": {"model_type": "llama"}}}, ["built-in model"]),
+    "float8 rowwise all-gather": ({"precision": "fp8", "resources": {"device": "cuda"}, "parallel": {"zero": 3},
+                                   "float8": {"recipe": "rowwise", "fsdp_all_gather": True}},
+                                  ["float8.fsdp_all_gather", "tensorwise"]),
+    "float8 all-gather without FSDP": ({"precision": "fp8", "resources": {"device": "cuda"},
+                                        "float8": {"fsdp_all_gather": True}}, ["parallel.zero=0", "zero=2 or 3"]),
+    "float8 settings without fp8": ({"precision": "bf16", "float8": {"recipe": "rowwise"}},
+                                    ["float8 settings apply to precision fp8"]),
     "cpu offload on cpu actors": ({"parallel": {"zero": 2}, "resources": {"device": "cpu"}, "optimizer": {"cpu_offload": True}}, ["optimizer.cpu_offload needs GPU"]),
     "wrong type": ({"parallel": {"dp": "two"}}, ["parallel.dp", "integer"]),
     "no preset and missing fields": ({"model": {"preset": None, "dim": 64}}, ["model.n_layers"]),
@@ -163,3 +175,15 @@ def test_malformed_override():
 def test_a_tokenizer_that_cannot_be_imported_is_refused_at_config_time():
     with pytest.raises(ConfigError, match=r"data.tokenizer 'no_such_module:Thing': cannot load"):
         config_from_dict({"data": {"tokenizer": "no_such_module:Thing"}})
+
+
+def test_compilation_is_on_by_default_on_cuda_only_where_the_layout_allows_it():
+    from raymp.config.rules import compiles
+
+    plain = config_from_dict({})
+    assert compiles(plain, "cuda") and not compiles(plain, "cpu")
+    sp = config_from_dict({"parallel": {"tp": 2, "sequence_parallel": True}, "train": {"global_batch_size": 16}})
+    assert not compiles(sp, "cuda")  # torch miscompiles it: left off, not refused, when unset
+    assert compiles(config_from_dict({"train": {"compile": True}}), "cpu")
+    assert not compiles(config_from_dict({"train": {"compile": False}}), "cuda")
+

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.common import peak_tflops_of
-from benchmarks.gpu_check import TITLE, existing_section, mfu, options, replace_section, resolve_gpus, section
+from benchmarks.gpu_check import (TITLE, TORCHTITAN_ROW, _merge, existing_section, guardrail, mfu, options,
+                                  replace_section, resolve_gpus, section, the_runs)
 
 
 def test_arguments_and_gpu_resolution():
@@ -31,8 +32,13 @@ def test_mfu_arithmetic():
 def test_the_section_replaces_its_predecessor_only():
     row = {"run": "raymp dp=1", "gpus": 1, "tokens_per_s": 12345.6, "mfu": 0.412, "vs_plain": 0.97,
            "peak_gib": 30.25, "estimate_gib": 28.0, "first_loss": 10.5, "loss": 9.87654}
-    text = section([row], "setup line")
-    assert text.startswith(TITLE) and "| raymp dp=1 | 1 | 12,346 | 41.2% | 0.97x | 30.2 | 28.0 | 10.5000 | 9.8765 |" in text
+    fp8 = {**row, "run": "raymp fp8", "guard": guardrail([10.0, 9.0, 8.0], [10.0, 9.1, 8.1])}
+    failed = {"run": TORCHTITAN_ROW, "error": "not run: no network"}
+    text = section([row, fp8, failed], "setup line", ["a note"])
+    assert text.startswith(TITLE) and "| raymp dp=1 | 1 | 12,346 | 41.2% | 0.97x | 30.2 | 28.0 | 10.5000 | 9.8765 | - |" in text
+    assert "| raymp fp8 | 1 |" in text and "within 3%: last 3 steps 0.74% apart, worst step 1.23%" in text
+    assert f"| {TORCHTITAN_ROW} | - | - | - | - | - | - | - | - | not run: no network |" in text
+    assert text.endswith("- a note\n")
     doc = "# Benchmarks\n\n## 1. Data parallel\n\nrows\n"
     once = replace_section(doc, text)
     assert once.startswith(doc.rstrip("\n")) and once.endswith(text)
@@ -52,3 +58,29 @@ def test_run_all_update_replaces_the_named_sections_in_place(tmp_path):
     assert new.startswith("# Benchmarks\n\n## 1. First\n\nrows\n\n## 2. Next\n")
     with pytest.raises(SystemExit):  # nothing to update in place
         _options(["--only", "elastic", "--update", "--out", str(tmp_path / "missing.md")])
+
+
+def test_fp8_guardrail_band():
+    assert guardrail([5.0, 4.0, 3.0, 2.0], [5.0, 4.0, 3.0, 2.0]) == {"worst_step": 0.0, "end": 0.0, "within": True}
+    far = guardrail([5.0, 4.5, 4.0, 3.5], [5.0, 4.0, 3.0, 2.0])
+    assert not far["within"] and far["end"] == pytest.approx(3.0 / 9.0) and far["worst_step"] == pytest.approx(0.75)
+
+
+def test_runs_most_important_first_and_configs_that_validate(tmp_path):
+    from benchmarks.common import run_config
+    from raymp.config import config_from_dict
+
+    opts = resolve_gpus(options([]), 1, "NVIDIA H100 80GB HBM3")
+    runs = the_runs(opts)
+    assert list(runs)[:3] == ["plain torch loop (1 process), bf16 eager", "raymp dp=1, bf16 compiled",
+                              "raymp dp=1, fp8 tensorwise compiled"]
+    assert not any("ZeRO-3" in name for name in runs)  # one GPU: no dp=N run
+    assert any("ZeRO-3" in name for name in the_runs(resolve_gpus(options([]), 2, "NVIDIA H100")))
+    for name, (gpus, _, changes) in runs.items():
+        cfg = _merge(run_config("x", str(tmp_path), preset="llama-1b", seq_len=2048, device="cuda", precision="bf16",
+                                global_batch=4, micro_batch=4), changes)
+        parsed = config_from_dict(cfg)  # every run's config passes raymp's own rules
+        assert parsed.precision == ("fp8" if "fp8" in name else "bf16")
+        assert parsed.train.compile is (False if "eager" in name and "raymp" in name else True if "raymp" in name else None)
+    assert config_from_dict(_merge(run_config("x", str(tmp_path), device="cuda", precision="bf16"),
+                                   runs["raymp dp=1, fp8 rowwise compiled"][2])).float8.recipe == "rowwise"

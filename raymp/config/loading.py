@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from raymp.config.schema import ClusterConfig, ConfigError, ModelConfig, RunConfig, TrainingConfig
+from raymp.config.schema import BF16_COMPUTE, ClusterConfig, ConfigError, ModelConfig, RunConfig, TrainingConfig
 from raymp.models import model_args
 from raymp.models.shape import TOKENIZER_VOCAB, model_shape, probed_shape
 from raymp.planner import plan
@@ -116,7 +116,7 @@ def _resolve_auto_layout(data: dict) -> dict:
     tokenizer = (data.get("data") or {}).get("tokenizer", "byte")
     vocab = TOKENIZER_VOCAB.get(tokenizer)
     best = plan(model_args(model, vocab or 256), cluster_from_config(cluster), train.global_batch_size,
-                train.seq_len, bf16=data.get("precision") == "bf16", shape=model_shape(model, vocab, tokenizer)).best
+                train.seq_len, bf16=data.get("precision") in BF16_COMPUTE, shape=model_shape(model, vocab, tokenizer)).best
     if best is None:
         raise ConfigError(
             f"parallel: auto found no layout of {cluster.nodes} x {cluster.gpus_per_node} devices "

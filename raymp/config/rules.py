@@ -4,6 +4,7 @@ not restated."""
 
 from __future__ import annotations
 
+from raymp.layout import runs_on_fsdp
 from raymp.models.shape import TOKENIZER_VOCAB, model_shape
 from raymp.storage import default_tracking_uri
 
@@ -53,30 +54,24 @@ def check_run(cfg) -> None:
         )
     if cfg.optimizer.cpu_offload and cfg.resources.device == "cpu":
         raise ValueError(CPU_OFFLOAD_ON_CPU)
-    if cfg.precision == "fp16" and cfg.resources.device != "cuda":
+    if cfg.precision == "fp16":
         raise ValueError(
-            "precision fp16 runs at ~1 GFLOP/s on CPU and needs loss scaling; use precision=bf16 "
-            "(or set resources.device=cuda on GPUs)"
+            "precision fp16 is not supported: it needs loss scaling, which raymp does not do; use precision=bf16 "
+            "(the same speed on GPUs that have it, and no scaling needed)"
         )
+    if cfg.precision == "fp8":
+        _check_float8(cfg)
+    elif cfg.float8 != type(cfg.float8)():
+        raise ValueError(f"float8 settings apply to precision fp8 only; set precision=fp8 or remove the float8 "
+                         f"section (precision is {cfg.precision})")
     if cfg.data.document_mask and m.factory is not None:
         raise ValueError(
             "data.document_mask needs the built-in model or a Hugging Face one (raymp hands their "
             "forward each token's document id); a model.factory module takes tokens only: set "
             "data.document_mask=false"
         )
-    if t.compile and p.sequence_parallel:
-        raise ValueError(
-            "train.compile with parallel.sequence_parallel is not supported: under torch 2.13 a compiled "
-            "attention or MLP fed by a sequence-parallel norm gets a wrong input gradient (measured: "
-            "training diverges from eager at step 1); set train.compile=false or "
-            "parallel.sequence_parallel=false"
-        )
-    if t.compile and m.factory is not None and p.tp > 1:
-        raise ValueError(
-            "train.compile with a model.factory module under parallel.tp > 1 is not supported: raymp "
-            "compiles a factory module whole, and torch miscompiles a tensor-parallel module compiled "
-            "whole; set train.compile=false or parallel.tp=1"
-        )
+    if t.compile and (reason := compile_unsupported(cfg)):
+        raise ValueError(reason)
     if problem := vocab_too_small(m.vocab_size, tokenizer, TOKENIZER_VOCAB.get(tokenizer)):
         raise ValueError(problem)
     if cfg.tracking.enabled and cfg.tracking.tracking_uri is None:
@@ -90,3 +85,48 @@ def vocab_too_small(model_vocab: int | None, tokenizer: str, tokenizer_vocab: in
         return ""
     return (f"model.vocab_size ({model_vocab}) is smaller than the {tokenizer} tokenizer's {tokenizer_vocab} "
             "tokens; leave model.vocab_size unset to take it from the tokenizer")
+
+
+def _check_float8(cfg) -> None:
+    """precision fp8: where torchao's float8 training runs as raymp applies it."""
+    p, f8 = cfg.parallel, cfg.float8
+    if cfg.resources.device != "cuda":
+        raise ValueError("precision fp8 needs CUDA GPUs of compute capability 8.9 or newer (H100, L40S, ...): "
+                         "set resources.device=cuda on such GPUs, or precision=bf16")
+    if cfg.model.hf is not None or cfg.model.hf_config is not None or cfg.model.factory is not None:
+        raise ValueError("precision fp8 is applied to the built-in model's transformer blocks only; use a "
+                         "model.preset, or precision=bf16 for a Hugging Face or factory model")
+    if p.tp > 1:
+        raise ValueError("precision fp8 with parallel.tp > 1 is not supported (float8 tensor-parallel plans "
+                         "are not applied); set parallel.tp=1 or precision=bf16")
+    if f8.fsdp_all_gather and f8.recipe != "tensorwise":
+        raise ValueError("float8.fsdp_all_gather needs float8.recipe=tensorwise (torchao gathers float8 "
+                         "weights with one scale per tensor); set one or the other")
+    if f8.fsdp_all_gather and not runs_on_fsdp(p.zero):
+        raise ValueError(f"float8.fsdp_all_gather gathers ZeRO 2/3 weights, but parallel.zero={p.zero} gathers "
+                         "none; set parallel.zero=2 or 3, or float8.fsdp_all_gather=false")
+
+
+def compile_unsupported(cfg) -> str | None:
+    """Why the blocks of this config cannot be compiled (train.compile=true is refused with it;
+    unset, compilation is left off), or None."""
+    p, m = cfg.parallel, cfg.model
+    if p.sequence_parallel:
+        return ("train.compile with parallel.sequence_parallel is not supported: under torch 2.13 a compiled "
+                "attention or MLP fed by a sequence-parallel norm gets a wrong input gradient (measured: "
+                "training diverges from eager at step 1); set train.compile=false or "
+                "parallel.sequence_parallel=false")
+    if m.factory is not None and p.tp > 1:
+        return ("train.compile with a model.factory module under parallel.tp > 1 is not supported: raymp "
+                "compiles a factory module whole, and torch miscompiles a tensor-parallel module compiled "
+                "whole; set train.compile=false or parallel.tp=1")
+    return None
+
+
+def compiles(cfg, device_type: str) -> bool:
+    """Whether the blocks are compiled: train.compile as set; unset (None), on CUDA devices where
+    compile_unsupported finds nothing against it, and never on CPU, where compiling costs a run
+    more than it saves (README: the first step compiles for seconds, a step gains ~1.2x)."""
+    if cfg.train.compile is not None:
+        return cfg.train.compile
+    return device_type == "cuda" and compile_unsupported(cfg) is None

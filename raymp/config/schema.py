@@ -173,8 +173,9 @@ class TrainingConfig(_Strict):
     dispatch_ahead: bool = Field(True, description="fit() queues step k+1 on the actors before it reads step "
                                  "k's results (not across a save, a validation or a step event), so the actors "
                                  "never wait for the driver")
-    compile: bool = Field(False, description="torch.compile each transformer block; the first step pays "
-                          "for compiling (reported in the summary)")
+    compile: bool | None = Field(None, description="torch.compile each transformer block; the first step pays "
+                                 "for compiling (reported in the summary). None: on for CUDA devices where the "
+                                 "layout supports it, off on CPU (compiling costs more than it saves there)")
     memory_every: int = Field(
         100, ge=0, description="steps between the ranks' memory measurements (saved activations, model-state "
         "bytes); also measured on each set-up's first step and the run's last; 0: only those")
@@ -318,6 +319,21 @@ class ClusterConfig(_Strict):
         return factors
 
 
+# Precisions whose compute runs in bf16 (fp8: bf16 with float8 matmuls in the blocks' linears).
+BF16_COMPUTE = ("bf16", "fp8")
+
+
+class Float8Config(_Strict):
+    """precision: fp8 (torchao's float8 training): the transformer blocks' linear layers compute
+    their matmuls in float8, everything else in bf16. CUDA devices of compute capability 8.9+."""
+
+    recipe: Literal["tensorwise", "rowwise"] = Field(
+        "tensorwise", description="scaling: one scale per tensor (fastest), or per row (closer to bf16)")
+    fsdp_all_gather: bool = Field(
+        False, description="ZeRO 2/3 gather the weights in float8 instead of bf16 (tensorwise only): half "
+        "the gather bytes")
+
+
 class RunConfig(_Strict):
     """The whole run. `raymp train CONFIG --set a.b=c` builds one of these."""
 
@@ -325,7 +341,8 @@ class RunConfig(_Strict):
     seed: int = 1234
     output_dir: str = Field("runs", description="the run's storage: a path every node reaches, or a URI "
                             "(s3://, gs://, ...); run directories, checkpoints and the prepared data go under it")
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp8", "fp16"] = "fp32"
+    float8: Float8Config = Float8Config()
     model: ModelConfig = ModelConfig()
     parallel: ParallelConfig = ParallelConfig()
     train: TrainingConfig = TrainingConfig()
@@ -336,6 +353,11 @@ class RunConfig(_Strict):
     checkpoint: CheckpointConfig = CheckpointConfig()
     elastic: ElasticConfig = ElasticConfig()
     cluster: ClusterConfig | None = None
+
+    @property
+    def bf16(self) -> bool:
+        """Whether the model computes in bf16 (precision bf16, or fp8 outside its float8 matmuls)."""
+        return self.precision in BF16_COMPUTE
 
     @model_validator(mode="after")
     def _data_cache_beside_the_runs(self) -> "RunConfig":

@@ -94,7 +94,7 @@ class Launcher:
         cfg = with_stage_split(cfg, vocab)
         lay, r = cfg.parallel.layout, cfg.resources
         memory = estimate(model_args(cfg.model, vocab), lay, cfg.train.global_batch_size, cfg.train.seq_len,
-                          cfg.precision == "bf16")
+                          cfg.bf16)
         if self.device == "cpu" and (problem := host_memory_problem([memory[lay.coords(r)["pp"]].total_bytes
                                                                      for r in range(lay.world_size)])):
             raise ConfigError(problem)

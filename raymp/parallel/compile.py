@@ -18,12 +18,13 @@ def apply_compile(model: nn.Module, block_names: list[str], tensor_parallel: boo
     embedding gradient (0.03 off, measured in two gloo processes); attention and MLP compiled
     alone give eager's gradients. A module without the stageable shape's blocks (a
     model.factory module, refused with tp > 1 by the config rules) is compiled whole."""
+    import torch
     import torch._inductor.config as inductor_config
 
-    # One compile thread: inductor's default pool starts a subprocess per core, which on an
-    # actor that owns a core or two only competes with training (and its start-up costs more
-    # than it saves for raymp's few, alike blocks).
-    inductor_config.compile_threads = 1
+    # As many compile workers as the actor has threads: inductor's default pool starts a
+    # subprocess per core of the machine, which on an actor that owns a core or two only
+    # competes with training (its start-up costs more than it saves for raymp's few, alike blocks).
+    inductor_config.compile_threads = max(1, torch.get_num_threads())
     for name in block_names:
         block = model.get_submodule(name)
         if not tensor_parallel:

@@ -9,12 +9,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
+from raymp.config.rules import compiles
 from raymp.layout import runs_under_autocast
 from raymp.loss import lm_loss
 from raymp.models.masks import document_ids, mask_kwargs
 from raymp.models.spec import build_part, keep_only
 from raymp.parallel.checkpointing import apply_activation_checkpointing
 from raymp.parallel.compile import apply_compile
+from raymp.parallel.float8 import apply_float8, check_device
 from raymp.parallel.context import apply_context_parallel, sequence_slice
 from raymp.parallel.pipeline import (
     SCHEDULES,
@@ -31,7 +33,7 @@ from raymp.parallel.zero import apply_data_parallel, local_tensor
 
 
 def _autocast_dtype(cfg):
-    return torch.bfloat16 if runs_under_autocast(cfg.parallel.zero, cfg.precision == "bf16") else None
+    return torch.bfloat16 if runs_under_autocast(cfg.parallel.zero, cfg.bf16) else None
 
 
 def _build(spec, cfg, mesh, device, prune=None, fill: bool = True):
@@ -59,14 +61,19 @@ def _parallelize(modules, spec, cfg, mesh, device, zero_bubble: bool = False, ke
     """Activation checkpointing, compilation, then data parallel / ZeRO (after TP: torchtitan's
     order). `kept`: the values are loaded after set-up (see LocalStep)."""
     p = cfg.parallel
+    compiled = compiles(cfg, device.type)
+    if cfg.precision == "fp8":
+        check_device(device)
     for module in modules:
+        if cfg.precision == "fp8":
+            apply_float8(module, cfg.float8.recipe, cfg.float8.fsdp_all_gather)
         if p.activation_checkpointing:
             apply_activation_checkpointing(module, spec.block_names(module))
-        if cfg.train.compile:
+        if compiled:
             apply_compile(module, spec.block_names(module), tensor_parallel=p.tp > 1)
     return apply_data_parallel(
         modules, mesh["data"], cfg.optimizer, p.zero, device,
-        torch.bfloat16 if cfg.precision == "bf16" else None, spec.block_names,
+        torch.bfloat16 if cfg.bf16 else None, spec.block_names,
         # Zero-bubble + FSDP2 resharding after forward yields wrong weight gradients (docs/design.md).
         reshard_after_forward=False if zero_bubble else None,
         wrap_ddp=p.pp == 1 and p.tp == 1, sync_initial=not kept,
