@@ -1,16 +1,19 @@
 """raymp: elastic distributed training of large models on Ray actors."""
 
-from raymp.config import ConfigError, RunConfig, load_config
 from raymp.version import __version__
+
+# Everything else loads on first use (PEP 562): `raymp --version` and a mistyped command then cost
+# no torch, pydantic or Ray import.
+_LAZY = {"Trainer": "raymp.trainer", "RunConfig": "raymp.config", "ConfigError": "raymp.config",
+         "load_config": "raymp.config"}
 
 
 def __getattr__(name):
-    # Trainer pulls in Ray and torch; import it lazily so `raymp config` stays fast.
-    if name == "Trainer":
-        from raymp.trainer import Trainer
+    if name in _LAZY:
+        import importlib
 
-        return Trainer
-    raise AttributeError(name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'raymp' has no attribute {name!r}")
 
 
 __all__ = ["Trainer", "RunConfig", "ConfigError", "load_config", "__version__"]

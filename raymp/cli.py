@@ -91,13 +91,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from raymp.checkpoint.store import CheckpointError
-    from raymp.config import ConfigError, load_config, resolved_dict
-    from raymp.data import DataError
-    from raymp.elastic import ElasticError
-    from raymp.runtime.actor_group import PlacementError, WorkerLostError
+    args = _parser().parse_args(argv)  # before any heavy import: --version, --help and typos stay fast
+    from raymp.config import load_config, resolved_dict
 
-    args = _parser().parse_args(argv)
     try:
         if args.command == "plan":
             return _plan(args)
@@ -123,12 +119,27 @@ def main(argv: list[str] | None = None) -> int:
             if args.no_progress:  # the outcome and where it is recorded are not progress
                 print(trainer.summary())
         return 0
-    except (ConfigError, DataError, PlacementError, WorkerLostError, ElasticError, CheckpointError) as exc:
+    except Exception as exc:
+        if not isinstance(exc, _user_errors()):
+            raise
         print(f"raymp: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("raymp: stopped (interrupt or SIGTERM); the MLflow run is marked KILLED", file=sys.stderr)
         return 130
+
+
+# The errors that end a command with one line and exit status 2, by where they are defined.
+_USER_ERRORS = (("raymp.config.schema", "ConfigError"), ("raymp.data", "DataError"),
+                ("raymp.runtime.actor_group", "PlacementError"), ("raymp.runtime.actor_group", "WorkerLostError"),
+                ("raymp.elastic", "ElasticError"), ("raymp.checkpoint.store", "CheckpointError"))
+
+
+def _user_errors() -> tuple[type, ...]:
+    """Those of _USER_ERRORS whose module a command has imported: an error can only come from a
+    module that was loaded, so a command pays for no import it did not need (`raymp config`
+    would otherwise load torch's checkpointing, Ray and the worker only to name their errors)."""
+    return tuple(getattr(sys.modules[module], name) for module, name in _USER_ERRORS if module in sys.modules)
 
 
 def _prepare_data(args) -> int:
@@ -178,6 +189,10 @@ def _checkpoint(args) -> int:
     if args.checkpoint_command == "list":
         from raymp.checkpoint.integrity import verify
 
+        fs, inner = fsspec_fs(args.dir)
+        if not fs.isdir(inner):
+            raise CheckpointError(f"{args.dir} is not a directory; give a run's checkpoint.dir "
+                                  "(runs/<run>/checkpoints by default)")
         store = CheckpointStore(args.dir)
         entries = store.scan()
         for e in entries:

@@ -37,6 +37,16 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) 
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def warmup_note(opt_cfg, total_steps: int) -> str | None:
+    """What a run shorter than its warm-up does, said once at its start (a smoke run with a few
+    steps is meant to run, not to be refused); None for a run that leaves warm-up."""
+    w = opt_cfg.warmup_steps
+    if w < total_steps:
+        return None
+    return (f"note: optimizer.warmup_steps ({w}) is not below train.steps ({total_steps}): the whole run warms up, "
+            f"its last step at {lr_factor(total_steps - 1, w, total_steps, opt_cfg.min_lr_ratio):.0%} of optimizer.lr")
+
+
 def build_scheduler(optimizer, opt_cfg, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer,

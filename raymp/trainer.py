@@ -33,6 +33,7 @@ from raymp.elastic.peer_copies import PeerCopies
 from raymp.progress import StepProgress
 from raymp.runtime.actor_group import ActorGroup, WorkerLostError
 from raymp.config.rules import compiles
+from raymp.optim import warmup_note
 from raymp.runtime.cluster import connect, resolve_device
 from raymp.timeline import run_timeline
 
@@ -106,6 +107,8 @@ class Trainer:
             self.resumed_from = resume = self.session.launch(self._resume_position)
         if resume is not None:
             said_resume(resume, self.config, self._log)
+        if note := warmup_note(cfg.optimizer, cfg.train.steps):
+            self._log(note)
         self.session.initial_position = self.feed.start if resume is None else None
         self.num_params = num_params(self.config, self.data.vocab_size)
         storage.write_text(storage.join(self.run_dir, "config.yaml"),

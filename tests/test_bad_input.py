@@ -5,14 +5,17 @@ behind (no run directory, config.yaml or MLflow database)."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
 from raymp.config import ConfigError
 from raymp.data import DataError
 from raymp.trainer import Trainer
-from test_cli import raymp
+from test_cli import ROOT, raymp
 
 
 @pytest.fixture
@@ -96,3 +99,48 @@ def test_the_command_line_says_it_in_one_line_with_exit_2(tmp_path):
         "use sqlite:///<path>.db, http(s)://<server>, or leave it unset for the store under output_dir"]
     assert out.stdout == ""
     _nothing_left(tmp_path / "runs")
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("case", ["config is a directory", "invalid YAML", "auto without a cluster",
+                                  "checkpoint list of a missing dir"])
+def test_each_bad_path_or_file_is_one_line_with_exit_2(tmp_path, case):
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("model:\n  preset: tiny\n bad: [\n")
+    auto = tmp_path / "auto.yaml"
+    auto.write_text("parallel: auto\n")
+    args, expected = {
+        "config is a directory": (["config", str(tmp_path)], f"config path '{tmp_path}' is a directory"),
+        "invalid YAML": (["config", str(bad_yaml)], f"{bad_yaml}: not valid YAML at line 3, column 2:"),
+        "auto without a cluster": (["config", str(auto)], "parallel: auto needs a cluster section"),
+        "checkpoint list of a missing dir": (["checkpoint", "list", str(tmp_path / "nope")],
+                                             f"{tmp_path / 'nope'} is not a directory; give a run's checkpoint.dir"),
+    }[case]
+    out = raymp(*args)
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    # A config's own rule names its section on a second line (invalid config (<file>):\n  <field>: ...).
+    assert len(lines) <= 2 and expected in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+@pytest.mark.system
+def test_version_and_a_mistyped_command_import_no_torch_pydantic_or_ray():
+    """Start-up: a command imports what it needs when it needs it (import log, not a clock)."""
+    for args in (["--version"], ["trian"]):
+        out = subprocess.run([sys.executable, "-X", "importtime", "-m", "raymp.cli", *args], capture_output=True,
+                             text=True, env={**os.environ, "RAY_ADDRESS": ""})
+        imported = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if "|" in line}
+        assert not {"torch", "pydantic", "ray"} & imported, sorted(imported & {"torch", "pydantic", "ray"})
+    config = subprocess.run([sys.executable, "-X", "importtime", "-m", "raymp.cli", "config", "configs/tiny.yaml"],
+                            capture_output=True, text=True, cwd=ROOT)
+    imported = {line.split("|")[-1].strip() for line in config.stderr.splitlines() if "|" in line}
+    assert config.returncode == 0 and not {"ray", "torch.distributed.checkpoint"} & imported
+
+
+@pytest.mark.system
+def test_a_run_shorter_than_its_warmup_says_so_once_and_trains(tmp_path):
+    out = raymp("train", "configs/tiny.yaml", "--set", "train.steps=2", "--set", f"output_dir={tmp_path}",
+                "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "tracking.enabled=false")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("note: optimizer.warmup_steps (10) is not below train.steps (2)") == 1, out.stdout
+    assert "step 2/2" in out.stdout or "2/2" in out.stdout

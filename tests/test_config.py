@@ -88,7 +88,6 @@ BAD = {
     "dim vs heads": ({"model": {"dim": 66}}, ["model.dim (66)", "model.n_heads"]),
     "negative lr": ({"optimizer": {"lr": -1}}, ["optimizer.lr", "greater than 0"]),
     "offload without sharding": ({"optimizer": {"cpu_offload": True}}, ["optimizer.cpu_offload", "parallel.zero"]),
-    "warmup beyond steps": ({"train": {"steps": 10}, "optimizer": {"warmup_steps": 10}}, ["optimizer.warmup_steps (10)"]),
     "fp16 anywhere": ({"precision": "fp16", "resources": {"device": "cuda"}}, ["fp16 is not supported", "bf16"]),
     "fp8 on cpu": ({"precision": "fp8"}, ["precision fp8 needs CUDA", "resources.device=cuda"]),
     "fp8 under tp": ({"precision": "fp8", "resources": {"device": "cuda"}, "parallel": {"tp": 2}},
@@ -187,3 +186,12 @@ def test_compilation_is_on_by_default_on_cuda_only_where_the_layout_allows_it():
     assert compiles(config_from_dict({"train": {"compile": True}}), "cpu")
     assert not compiles(config_from_dict({"train": {"compile": False}}), "cuda")
 
+
+def test_a_run_shorter_than_its_warmup_is_said_not_refused():
+    from raymp.optim import warmup_note
+
+    cfg = config_from_dict({"train": {"steps": 2}, "optimizer": {"warmup_steps": 10}})
+    assert warmup_note(cfg.optimizer, cfg.train.steps) == (
+        "note: optimizer.warmup_steps (10) is not below train.steps (2): the whole run warms up, its last step "
+        "at 20% of optimizer.lr")
+    assert warmup_note(config_from_dict({}).optimizer, 100) is None

@@ -78,13 +78,18 @@ def config_from_dict(data: dict, overrides: list[str] | None = None, source: str
     data = apply_overrides(data or {}, overrides or [])
     try:
         data = {**data, "model": with_model_shape(data.get("model") or {})}
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+    except ValueError as err:  # the model's shape could not be read
+        raise ConfigError(f"invalid config ({source}):\n  model: {err}") from None
+    try:
         if data.get("parallel") == "auto":
             data = _resolve_auto_layout(data)
         return RunConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_validation_error(err, source)) from None
-    except ValueError as err:  # the model's shape could not be read
-        raise ConfigError(f"invalid config ({source}):\n  model: {err}") from None
+    except ConfigError as err:  # parallel: auto could not plan
+        raise ConfigError(f"invalid config ({source}):\n  parallel: {err}") from None
 
 
 def with_model_shape(model: dict) -> dict:
@@ -107,7 +112,7 @@ def _resolve_auto_layout(data: dict) -> dict:
     """`parallel: auto`: the planner's best layout for `cluster` replaces it."""
     if not data.get("cluster"):
         raise ConfigError(
-            "parallel: auto needs a cluster section to plan for (cluster.nodes, "
+            "auto needs a cluster section to plan for (cluster.nodes, "
             "cluster.gpus_per_node, cluster.gpu_memory_gb, ...); or set parallel.dp/pp/tp yourself"
         )
     model = ModelConfig.model_validate(data["model"])
@@ -119,7 +124,7 @@ def _resolve_auto_layout(data: dict) -> dict:
                 train.seq_len, bf16=data.get("precision") in BF16_COMPUTE, shape=model_shape(model, vocab, tokenizer)).best
     if best is None:
         raise ConfigError(
-            f"parallel: auto found no layout of {cluster.nodes} x {cluster.gpus_per_node} devices "
+            f"auto found no layout of {cluster.nodes} x {cluster.gpus_per_node} devices "
             f"with {cluster.gpu_memory_gb:g} GB that fits; run `raymp plan` on this config to see why"
         )
     return {**data, "parallel": best.layout.as_parallel()}
@@ -128,6 +133,8 @@ def _resolve_auto_layout(data: dict) -> dict:
 def read_config_file(path: str | os.PathLike) -> dict:
     """A YAML config file's sections, or one ConfigError line saying what is wrong with the file."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config path {str(p)!r} is a directory; give a YAML file (e.g. configs/tiny.yaml)")
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} not found (looked in {Path.cwd()})")
     try:
@@ -135,7 +142,7 @@ def read_config_file(path: str | os.PathLike) -> dict:
     except UnicodeDecodeError:
         raise ConfigError(f"{p}: not a text file (a YAML run config is UTF-8 text)") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+        raise ConfigError(f"{p}: not valid YAML{_where(exc)}: {getattr(exc, 'problem', None) or exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: top level must be a mapping of sections (model:, parallel:, ...)")
     if not data:  # a run of all defaults is rarely meant; `raymp config` prints them
@@ -165,3 +172,9 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = v
     return out
+
+
+def _where(exc: Exception) -> str:
+    """' at line L, column C' of a YAML error (1-based, as editors count), when it knows."""
+    mark = getattr(exc, "problem_mark", None)
+    return "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"

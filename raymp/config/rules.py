@@ -36,11 +36,6 @@ def check_run(cfg) -> None:
             f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
             "lower train.seq_len or raise model.max_seq_len"
         )
-    if cfg.optimizer.warmup_steps >= t.steps and t.steps > 1:
-        raise ValueError(
-            f"optimizer.warmup_steps ({cfg.optimizer.warmup_steps}) must be below train.steps "
-            f"({t.steps}), or the learning rate never leaves warmup"
-        )
     if cfg.elastic.keep_survivors and p.layout.state_replicas < 2 and p.zero != 0 and not cfg.elastic.peer_copy_every:
         raise ValueError(
             f"elastic.keep_survivors needs a second whole copy of the training state, but zero={p.zero} shards "
