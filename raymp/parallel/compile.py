@@ -6,6 +6,7 @@ about one block's worth, not the whole model's."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
@@ -18,7 +19,6 @@ def apply_compile(model: nn.Module, block_names: list[str], tensor_parallel: boo
     embedding gradient (0.03 off, measured in two gloo processes); attention and MLP compiled
     alone give eager's gradients. A module without the stageable shape's blocks (a
     model.factory module, refused with tp > 1 by the config rules) is compiled whole."""
-    import torch
     import torch._inductor.config as inductor_config
 
     # As many compile workers as the actor has threads: inductor's default pool starts a

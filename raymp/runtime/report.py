@@ -42,6 +42,25 @@ class RankReport:
         return out
 
 
+class MemorySampler:
+    """A rank's memory measurements, taken on the steps measures_memory picks: which step
+    measures, and the last measurement, which every report carries with the step it is from."""
+
+    KEYS_FROM_STEP = ("activation_peak_bytes", "loss_saved_peak_bytes", "logits_bytes")
+
+    def __init__(self, steps: int, every: int):
+        self.steps, self.every = steps, every
+        self.last: dict | None = None  # none yet in this set-up: its first step measures
+
+    def measures(self, step: int) -> bool:
+        return measures_memory(step, self.last is None, self.steps, self.every)
+
+    def record(self, step: int, step_out: dict, state_bytes: dict) -> None:
+        """A measured step's figures: the step program's (taken out of `step_out`) and the engine's."""
+        from_step = {key: step_out.pop(key) for key in self.KEYS_FROM_STEP if key in step_out}
+        self.last = {**from_step, **state_bytes, "memory_step": step}
+
+
 def measures_memory(step: int, first_of_setup: bool, steps: int, every: int) -> bool:
     """Whether a rank measures its memory on `step` (train.memory_every): counting saved
     activations and model-state bytes costs time, so it runs on a set-up's first step, the

@@ -32,12 +32,8 @@ from raymp.runtime.gradients import full_gradients
 from raymp.runtime.peer_loss import GroupSockets, StepAbandon, is_peer_loss, leave_process_groups
 from raymp.runtime.process_memory import (freeze_what_is_here, peak_memory, peak_rss, reset_peak_rss,
                                           return_large_buffers_to_os)
-from raymp.runtime.report import RankReport, measures_memory
+from raymp.runtime.report import MemorySampler, RankReport
 from raymp.runtime.steps import LocalStep, PipelineStep, forget_tied_groups
-
-
-# What a step program's forward_backward reports on a step that measures memory.
-STEP_MEMORY_KEYS = ("activation_peak_bytes", "loss_saved_peak_bytes", "logits_bytes")
 
 
 class Worker(CheckpointCalls):
@@ -58,7 +54,6 @@ class Worker(CheckpointCalls):
         self.peer_copy = None  # a PeerCopyWriter beside the checkpointer, on its group
         self._meshes = {}
         self._kept = None  # keep_state()'s host copy, until restore_kept()
-        self._memory = None  # the last memory measurement (measures_memory), and its step
         self.broken = False  # a step lost a peer: no process group until rejoin()
         self.abandon = StepAbandon()  # set by abandon_step() from the control thread
         self.sockets = GroupSockets()  # what the groups connected, shut when this rank leaves them (gloo)
@@ -167,7 +162,7 @@ class Worker(CheckpointCalls):
                             if dims.pp > 1 else LocalStep(cfg, spec, mesh, self.coords, self.device, document_eot, kept))
         self.engine = self.program.engine
         self.program.meter.on_activation = self.abandon.check
-        self._memory = None  # measured on this set-up's first step
+        self.memory = MemorySampler(cfg.train.steps, cfg.train.memory_every)
         self.scheduler = build_scheduler(self.engine.optimizer, cfg.optimizer, cfg.train.steps)
         self.eval_tokens = []
         info = {"rank": self.rank, "coords": self.coords, "num_params": self.program.num_params,
@@ -250,10 +245,9 @@ class Worker(CheckpointCalls):
         data_wait = 0.0
         if self.stream is not None:
             sample_ids, tokens, data_wait = self.stream.next(step)
-        measure = measures_memory(step, self._memory is None, self.cfg.train.steps, self.cfg.train.memory_every)
+        measure = self.memory.measures(step)
         self.program.measure_memory(measure)
         out = self.program.forward_backward(tokens)
-        memory = {key: out.pop(key) for key in STEP_MEMORY_KEYS if key in out}
         p = self.cfg.parallel
         grad_norm = self.engine.clip_grad_norm(
             self.cfg.optimizer.grad_clip, p.layout.data_parallel_size * p.tp, self.program.counted_elsewhere
@@ -262,13 +256,13 @@ class Worker(CheckpointCalls):
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         if measure:  # between optimizer.step() and zero_grad(): every kind of state exists
-            self._memory = {**memory, **self.engine.state_bytes(), "memory_step": step}
+            self.memory.record(step, out, self.engine.state_bytes())
         self.engine.optimizer.zero_grad(set_to_none=True)
         self.engine.after_optimizer_step()
         return RankReport(rank=self.rank, **out, sample_ids=sample_ids, data_wait_s=data_wait,
                           grad_norm=grad_norm, lr=lr, compute_s=time.perf_counter() - t0,
                           peak_mem_bytes=peak_memory(self.device), checkpoint=self.checkpointer.poll(),
-                          **self._memory)
+                          **self.memory.last)
 
     def evaluate(self) -> float | None:
         """Mean validation loss over the held-out batches (last stages return it)."""
