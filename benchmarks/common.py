@@ -70,6 +70,16 @@ def median(values) -> float:
     return statistics.median(values)
 
 
+def window(step_times: list[float], skip: int = 2) -> dict:
+    """A run's timed window (the steps after `skip` warm-up ones): the mean step, which every
+    ratio is taken over (slow steps count, as they do in a run's wall time), the median and the
+    95th percentile beside it, and the slow tail as p95 over the median."""
+    values = steady(step_times, skip)
+    p95 = float(np.percentile(values, 95))
+    return {"mean": statistics.fmean(values), "median": statistics.median(values), "p95": p95,
+            "tail": p95 / statistics.median(values)}
+
+
 def spread(values) -> str:
     """The repetitions behind a median, for the reader to judge the noise."""
     return ", ".join(f"{v:.3g}" for v in values)

@@ -1,7 +1,9 @@
-"""The no-Ray peer: raymp's own per-rank training code (`raymp.runtime.worker.Worker`, a plain
-class) launched the way `torchrun` launches a script: one fresh interpreter per rank, a TCP
-rendezvous, and each rank looping over its steps by itself. No driver, no actors, no remote
-calls, no Ray Data: what is left of a raymp step time beyond this is orchestration overhead."""
+"""The no-Ray peers, launched the way `torchrun` launches a script: one fresh interpreter per rank,
+a TCP rendezvous, each rank looping over its steps by itself. Two of them:
+- run_plain_dp: torch's own DDP or FSDP2 loop (benchmarks.plain_loop): the plain-loop peer;
+- run_plain: raymp's own per-rank code (`raymp.runtime.worker.Worker`, a plain class): no driver,
+  no actors, no remote calls, no Ray Data, so what is left of a raymp step beyond it is
+  orchestration overhead."""
 
 from __future__ import annotations
 
@@ -54,14 +56,46 @@ def run_plain(cfg_dict: dict, batches: list[np.ndarray], vocab_size: int, thread
     from raymp.driver.launch import with_stage_split
 
     cfg = with_stage_split(config_from_dict(cfg_dict), vocab_size)
+    return _spawn(_rank_main, world, (cfg, vocab_size, batches, threads))
+
+
+def _plain_dp_main(rank: int, world: int, port: int, cfg_dict: dict, vocab_size: int, batches, mode: str,
+                   threads: int, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.plain_loop import model_and_optimizer, train_step
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    device = torch.device("cpu")
+    cfg, model, optimizer, scheduler, autocast = model_and_optimizer(cfg_dict, vocab_size, mode, device)
+    ends, losses = [], []
+    for tokens in batches:
+        losses.append(train_step(model, optimizer, scheduler, np.array_split(tokens, world)[rank], cfg, device,
+                                 autocast))
+        ends.append(time.time())
+    results.put((rank, ends, losses))
+    dist.destroy_process_group()
+
+
+def run_plain_dp(cfg_dict: dict, batches: list[np.ndarray], vocab_size: int, mode: str, world: int,
+                 threads: int = 1) -> dict:
+    """torch's DDP ("ddp") or FSDP2 ("fsdp2") loop in `world` spawned processes on CPU (gloo): the
+    step times rank 0 saw and the losses."""
+    return _spawn(_plain_dp_main, world, (cfg_dict, vocab_size, batches, mode, threads))
+
+
+def _spawn(target, world: int, args: tuple) -> dict:
+    """`target(rank, world, port, *args, results)` in `world` spawned interpreters; the slowest
+    rank's step ends, the per-step losses (mean over the ranks that report one) and the wall time."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     start = time.time()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, cfg, vocab_size, batches, threads, results))
-             for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, results)) for r in range(world)]
     for proc in procs:
         proc.start()
     gathered = [results.get(timeout=1800) for _ in procs]
@@ -70,6 +104,7 @@ def run_plain(cfg_dict: dict, batches: list[np.ndarray], vocab_size: int, thread
         if proc.exitcode:
             raise RuntimeError(f"a plain-process rank exited with {proc.exitcode}")
     ends = np.array([e for _, e, _ in sorted(gathered)]).max(axis=0)
-    per_step = [[loss for _, _, losses in gathered if (loss := losses[s]) is not None] for s in range(len(batches))]
+    steps = len(ends)
+    per_step = [[loss for _, _, losses in gathered if (loss := losses[s]) is not None] for s in range(steps)]
     return {"step_times": list(np.diff(ends)), "losses": [float(np.mean(v)) for v in per_step],
             "fit_s": time.time() - start}

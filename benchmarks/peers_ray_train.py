@@ -5,7 +5,6 @@ model and optimizer builders, so the comparison is about the runtime, not the mo
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import tempfile
@@ -13,64 +12,7 @@ import time
 
 import numpy as np
 
-
-def _model_and_optimizer(cfg_dict: dict, vocab_size: int, mode: str, device):
-    import torch
-    from torch.nn.parallel import DistributedDataParallel
-
-    from raymp.config import config_from_dict
-    from raymp.models import build_model, model_spec
-    from raymp.optim import build_optimizer, build_scheduler
-
-    cfg = config_from_dict(cfg_dict)
-    spec = model_spec(cfg.model, vocab_size, cfg.seed)
-    model = build_model(spec, cfg.seed, device)
-    if cfg.train.compile:  # each block, in place (torch's nn.Module.compile), before DDP/FSDP
-        for name in spec.block_names(model):
-            model.get_submodule(name).compile()
-    bf16 = cfg.precision == "bf16"
-    if mode == "fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
-        for name in spec.block_names(model):
-            fully_shard(model.get_submodule(name), **kwargs)
-        fully_shard(model, **kwargs)
-    else:
-        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = build_optimizer(model.parameters(), cfg.optimizer)
-    scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.train.steps)
-    # bf16 under DDP: autocast over fp32 weights, as raymp does at ZeRO 0/1.
-    autocast = bf16 and mode == "ddp"
-    return cfg, model, optimizer, scheduler, autocast
-
-
-def _train_step(model, optimizer, scheduler, tokens: np.ndarray, cfg, device, autocast: bool) -> float:
-    import torch
-    import torch.distributed as dist
-
-    from raymp.loss import lm_loss
-
-    batch = torch.from_numpy(tokens.astype(np.int64)).to(device)
-    micro = batch.split(cfg.parallel.micro_batch_size)
-    total = torch.zeros((), device=device)
-    for i, mb in enumerate(micro):
-        sync = i == len(micro) - 1
-        ctx = model.no_sync() if (not sync and hasattr(model, "no_sync")) else contextlib.nullcontext()
-        if hasattr(model, "set_requires_gradient_sync"):
-            model.set_requires_gradient_sync(sync)
-        with ctx, torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            loss = lm_loss(model(mb[:, :-1]), mb[:, 1:])
-        (loss / len(micro)).backward()
-        total += loss.detach()
-    if cfg.optimizer.grad_clip:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.grad_clip)
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    total /= len(micro)
-    dist.all_reduce(total, op=dist.ReduceOp.AVG)
-    return float(total)
+from benchmarks.plain_loop import model_and_optimizer, train_step
 
 
 def _device():
@@ -88,19 +30,15 @@ def dp_loop(config: dict) -> None:
     import ray.train
 
     torch.set_num_threads(config["threads"])
-    if config["raymp_malloc"]:
-        from raymp.runtime.process_memory import return_large_buffers_to_os
-
-        return_large_buffers_to_os()
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = _device()
-    cfg, model, optimizer, scheduler, autocast = _model_and_optimizer(
+    cfg, model, optimizer, scheduler, autocast = model_and_optimizer(
         config["cfg"], config["vocab_size"], config["mode"], device)
     ends, losses = [], []
     for tokens in config["batches"]:
         local = np.array_split(tokens, world)[rank]
-        losses.append(_train_step(model, optimizer, scheduler, local, cfg, device, autocast))
+        losses.append(train_step(model, optimizer, scheduler, local, cfg, device, autocast))
         if device.type == "cuda":
             torch.cuda.synchronize()
         ends.append(time.time())
@@ -110,10 +48,9 @@ def dp_loop(config: dict) -> None:
 
 
 def run_dp(cfg_dict: dict, batches: list[np.ndarray], vocab_size: int, mode: str, workers: int,
-           cpus_per_worker: float, storage: str, use_gpu: bool = False, raymp_malloc: bool = False) -> dict:
+           cpus_per_worker: float, storage: str, use_gpu: bool = False) -> dict:
     """Train with TorchTrainer; returns the step times and losses rank 0 saw, and the wall time
-    of the whole fit (worker start-up included). raymp_malloc: set glibc's mmap threshold as
-    raymp's workers do, to tell that setting's cost apart from the runtime's."""
+    of the whole fit (worker start-up included)."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -124,7 +61,7 @@ def run_dp(cfg_dict: dict, batches: list[np.ndarray], vocab_size: int, mode: str
     trainer = TorchTrainer(
         dp_loop,
         train_loop_config={"cfg": cfg_dict, "vocab_size": vocab_size, "mode": mode, "batches": batches,
-                           "threads": threads, "log": log, "raymp_malloc": raymp_malloc},
+                           "threads": threads, "log": log},
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu,
                                      resources_per_worker={"CPU": cpus_per_worker}),
@@ -154,7 +91,7 @@ def recovery_loop(config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = _device()
-    cfg, model, optimizer, scheduler, autocast = _model_and_optimizer(
+    cfg, model, optimizer, scheduler, autocast = model_and_optimizer(
         config["cfg"], config["vocab_size"], "ddp", device)
     start, read = 0, 0
     checkpoint = ray.train.get_checkpoint()
@@ -171,7 +108,7 @@ def recovery_loop(config: dict) -> None:
     every = config["every"]
     for step in range(start, len(config["batches"])):
         local = np.array_split(config["batches"][step], world)[rank]
-        loss = _train_step(model, optimizer, scheduler, local, cfg, device, autocast)
+        loss = train_step(model, optimizer, scheduler, local, cfg, device, autocast)
         if rank == 0:
             _log(config["log"], {"event": "step", "step": step + 1, "loss": loss, "at": time.time(),
                                  "node": ray.get_runtime_context().get_node_id()})

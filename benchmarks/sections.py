@@ -11,7 +11,7 @@ import tempfile
 
 import ray
 
-from benchmarks.common import global_batches, median, run_config, spread, steady
+from benchmarks.common import global_batches, median, run_config, spread, steady, window
 
 GIB = 2**30
 MIB = 2**20
@@ -27,8 +27,11 @@ def _raymp_fit(cfg_dict: dict, group) -> dict:
             "history": history}
 
 
-MALLOC_PEER = "Ray Train FSDP2 + raymp's mmap threshold"
 COMPILED, COMPILED_PEER = "raymp zero=0, compiled + fused AdamW", "Ray Train DDP, compiled + fused AdamW"
+# Each raymp row and the peers it is compared with: (Ray Train's row, the plain processes' row).
+PEERS = {"raymp zero=0 (DDP)": ("Ray Train DDP", "plain torch DDP"),
+         "raymp zero=3 (FSDP2)": ("Ray Train FSDP2", "plain torch FSDP2"),
+         COMPILED: (COMPILED_PEER, None)}
 
 
 def _interleaved(variants: dict, reps: int) -> dict[str, list]:
@@ -49,18 +52,62 @@ def _max_loss_gap(losses: list[float], reference: list[float]) -> float:
 
 
 def data_parallel(opts) -> dict:
-    """raymp dp=4 at ZeRO 0 and 3 vs Ray Train TorchTrainer with DDP and FSDP2, interleaved rounds."""
+    """raymp at ZeRO 0 and 3 (and compiled) vs Ray Train TorchTrainer with DDP and FSDP2 and vs the
+    same loop in plain torch processes, at dp=2 and dp=4 (GPU mode: every GPU), interleaved rounds."""
+    gpu = opts.gpu
+    worlds = [opts.gpus] if gpu else [2, 4]
+    ray.init(address="local", num_cpus=None if gpu else 2 * max(worlds), include_dashboard=False, log_to_driver=False)
+    rows, raw = [], {}
+    for world in worlds:
+        section_rows, raw[f"dp{world}"] = _data_parallel_at(world, opts)
+        rows += section_rows
+    ray.shutdown()
+    cpus = 4 if gpu else 0.5
+    columns = ["dp", "run", "tokens/s (mean)", "step mean (ms)", "step median (ms)", "p95 / median",
+               "max loss gap vs raymp zero=0", "raymp / Ray Train", "raymp / plain"]
+    if gpu:
+        columns.append("MFU")
+    shape = _dp_shape(opts, worlds[0])
+    return {
+        "title": "1. Data parallel: raymp vs Ray Train TorchTrainer" + (" (GPU)" if gpu else ""),
+        "setup": (f"dp={' and '.join(map(str, worlds))}, model `{shape['preset']}`, seq_len {shape['seq_len']}, "
+                  f"{shape['global_batch'] // worlds[0]} sequences per rank per step (one micro-batch), {opts.steps} "
+                  f"steps per run, the first two dropped, {opts.reps} interleaved rounds pooled; "
+                  + ("bf16, NCCL." if gpu else f"fp32, gloo, ranks x 1 thread, {cpus} CPU each (oversubscribed at dp=4 "
+                     "on 2 cores).")),
+        "columns": columns, "rows": rows, "raw": raw,
+        "notes": [
+            "Every ratio is of mean step times over the whole timed window (slow steps included), as throughput: "
+            "> 1 means raymp trained faster. raymp's step time is the driver's (one remote call per rank per step, "
+            "results gathered, data streamed by Ray Data); the peers' is the slowest rank's own loop.",
+            "Same model builder, seed, data order, AdamW and clipping on every side; the loss column is the "
+            "largest relative gap to raymp zero=0 over every step of every round, so it shows the peers "
+            "trained the same thing.",
+            "The peers' loop (benchmarks/plain_loop.py) is written as torch's DDP and FSDP2 tutorials write "
+            "it; Ray Train runs it in TorchTrainer's workers, the plain peer in spawned interpreters with a "
+            "TCP rendezvous, as torchrun launches a script.",
+            "Compiled rows: `train.compile` and `optimizer.fused` on raymp's side; on Ray Train's, each decoder "
+            "block's `module.compile()` before DDP and the same fused AdamW. The first step (compilation) is "
+            "outside the window on both sides.",
+        ],
+    }
+
+
+def _dp_shape(opts, world: int) -> dict:
+    return dict(preset=opts.gpu_preset, seq_len=1024, global_batch=8 * world, device="cuda", precision="bf16") \
+        if opts.gpu else dict(preset="small", seq_len=128, global_batch=8 * world)
+
+
+def _data_parallel_at(world: int, opts) -> tuple[list[list], dict]:
     from raymp.runtime.actor_group import ActorGroup
 
+    from benchmarks.peers_plain import run_plain_dp
     from benchmarks.peers_ray_train import run_dp
 
     gpu = opts.gpu
-    world = opts.gpus if gpu else 4
-    cpus = 4 if gpu else 0.5  # CPU: 4 single-threaded ranks on the machine's cores (oversubscribed on 2)
-    shape = dict(preset=opts.gpu_preset, seq_len=1024, global_batch=8 * world, device="cuda", precision="bf16") \
-        if gpu else dict(preset="small", seq_len=128, global_batch=16)
+    cpus = 4 if gpu else 0.5  # CPU: single-threaded ranks on the machine's cores (oversubscribed on 2)
+    shape = _dp_shape(opts, world)
     out = tempfile.mkdtemp(prefix="raymp-bench-dp-")
-    ray.init(address="local", num_cpus=None if gpu else 2 * world, include_dashboard=False, log_to_driver=False)
     configs = {z: run_config(f"dp{world}-zero{z}", out, dp=world, zero=z, steps=opts.steps, cpus_per_actor=cpus,
                              **shape) for z in (0, 3)}
     # Both sides compiled the same way (each block, torchtitan's regional compile) with fused AdamW.
@@ -74,70 +121,29 @@ def data_parallel(opts) -> dict:
         "Ray Train DDP": lambda: run_dp(configs[0], batches, vocab, "ddp", world, cpus, storage, gpu),
         "raymp zero=3 (FSDP2)": lambda: _raymp_fit(configs[3], group),
         "Ray Train FSDP2": lambda: run_dp(configs[3], batches, vocab, "fsdp2", world, cpus, storage, gpu),
-        # The same peer with raymp's one process-level difference (raymp/runtime/worker.py).
-        MALLOC_PEER: lambda: run_dp(configs[3], batches, vocab, "fsdp2", world, cpus, storage, gpu, True),
         COMPILED: lambda: _raymp_fit(configs["compiled"], group),
         COMPILED_PEER: lambda: run_dp(configs["compiled"], batches, vocab, "ddp", world, cpus, storage, gpu),
     }
+    if not gpu:  # the plain peers run gloo on CPU ranks
+        variants["plain torch DDP"] = lambda: run_plain_dp(configs[0], batches, vocab, "ddp", world)
+        variants["plain torch FSDP2"] = lambda: run_plain_dp(configs[3], batches, vocab, "fsdp2", world)
     runs = _interleaved(variants, opts.reps)
     group.shutdown()
-    ray.shutdown()
-
     tokens = shape["global_batch"] * shape["seq_len"]
     reference = runs["raymp zero=0 (DDP)"][0]["losses"]
-    peer_of = {"raymp zero=0 (DDP)": "Ray Train DDP", "raymp zero=3 (FSDP2)": "Ray Train FSDP2",
-               COMPILED: COMPILED_PEER}
-    step = {name: [median(steady(r["step_times"])) for r in rs] for name, rs in runs.items()}
+    stats = {name: window([t for r in rs for t in steady(r["step_times"])], skip=0) for name, rs in runs.items()}
     rows, raw = [], {}
     for name in variants:
-        tps = [tokens / s for s in step[name]]
-        row = [name, f"{median(tps):,.0f}", f"{median(step[name]) * 1e3:.0f}",
-               f"{max(_max_loss_gap(r['losses'], reference) for r in runs[name]):.1e}"]
-        if name in peer_of:
-            ratio = median(step[peer_of[name]]) / median(step[name])
-            row.append(f"{ratio:.2f}x ({'raymp faster' if ratio > 1 else 'raymp slower'})")
-        else:
-            row.append("")
+        st = stats[name]
+        row = [str(world), name, f"{tokens / st['mean']:,.0f}", f"{st['mean'] * 1e3:.0f}", f"{st['median'] * 1e3:.0f}",
+               f"{st['tail']:.2f}", f"{max(_max_loss_gap(r['losses'], reference) for r in runs[name]):.1e}"]
+        for peer in PEERS.get(name, (None, None)):
+            row.append(f"{stats[peer]['mean'] / st['mean']:.2f}x" if peer in stats else "")
         if gpu:
-            row.append(f"{_mfu(configs[0], vocab, shape, median(step[name]), world, opts):.1%}")
+            row.append(f"{_mfu(configs[0], vocab, shape, st['mean'], world, opts):.1%}")
         rows.append(row)
-        raw[name] = {"tokens_per_s": tps, "step_times_s": [r["step_times"] for r in runs[name]],
-                     "losses": [r["losses"] for r in runs[name]]}
-    columns = ["run", "tokens/s", "step (ms)", "max loss gap vs raymp zero=0", "raymp vs peer (step-time ratio)"]
-    if gpu:
-        columns.append("MFU")
-    return {
-        "title": "1. Data parallel: raymp vs Ray Train TorchTrainer" + (" (GPU)" if gpu else ""),
-        "setup": (f"dp={world}, model `{shape['preset']}`, seq_len {shape['seq_len']}, global batch "
-                  f"{shape['global_batch']} (one micro-batch per rank), {opts.steps} steps per run, step time = "
-                  f"median of steps 3..{opts.steps}, then the median over {opts.reps} interleaved rounds; "
-                  + ("bf16, NCCL." if gpu else f"fp32, gloo, {world} ranks x 1 thread, {cpus} CPU each.")),
-        "columns": columns, "rows": rows, "raw": raw,
-        "notes": [
-            "Same model builder, seed, data order, AdamW and clipping on both sides; the loss column is the "
-            "largest relative gap to raymp zero=0 over every step of every round, so it shows the peers "
-            "trained the same thing.",
-            "Compiled rows: `train.compile` and `optimizer.fused` on raymp's side; on Ray Train's, each decoder "
-            "block's `module.compile()` before DDP and the same fused AdamW. The first step (compilation) is "
-            "outside the median on both sides.",
-            _malloc_note(step),
-            "Ratio > 1: raymp's step is shorter. raymp's step time is the driver's (one remote call per rank "
-            "per step, results gathered, data streamed by Ray Data); Ray Train's is rank 0's own loop, "
-            "which has no per-step driver round trip.",
-        ],
-    }
-
-
-def _malloc_note(step: dict) -> str:
-    """What raymp's glibc setting (freed gather buffers go back to the OS, so each gather faults its
-    pages in again) costs FSDP2's step, measured on the peer, against raymp's whole gap."""
-    peer, tuned = median(step["Ray Train FSDP2"]), median(step[MALLOC_PEER])
-    ours = median(step["raymp zero=3 (FSDP2)"])
-    return (f"raymp's workers fix glibc's mmap threshold, so freed ZeRO-3 gather buffers go back to the OS "
-            f"(the memory this saves is in section 6). That setting alone makes the Ray Train FSDP2 peer's "
-            f"step {tuned / peer:.2f}x as long. raymp zero=3's step is {ours / peer:.2f}x the plain peer's and "
-            f"{ours / tuned:.2f}x the peer's with the same setting: the gap to FSDP2 is that trade of time for "
-            "memory, not the orchestration (section 2).")
+        raw[name] = {"step_times_s": [r["step_times"] for r in runs[name]], "losses": [r["losses"] for r in runs[name]]}
+    return rows, raw
 
 
 def _mfu(cfg_dict, vocab, shape, step_s, world, opts) -> float:

@@ -12,12 +12,12 @@ from raymp.config import config_from_dict
 from raymp.reference import train_single_process
 
 from benchmarks.common import global_batches
-from benchmarks.peers_plain import run_plain
+from benchmarks.peers_plain import run_plain, run_plain_dp
 
 
 @pytest.mark.parametrize("module", ["run_all", "sections", "elastic", "scale", "driver_overhead", "long_context",
                                     "planner_check", "peers_ray_train",
-                                    "peers_plain"])
+                                    "peers_plain", "plain_loop", "rank_step"])
 def test_benchmark_modules_import(module):
     importlib.import_module(f"benchmarks.{module}")
 
@@ -32,6 +32,17 @@ def test_plain_process_peer_trains_like_the_single_process_run(tiny_cfg):
     for a, b in zip(plain["losses"], reference):
         assert abs(a - b) <= 1e-5 * abs(b)
     assert len(plain["step_times"]) == 2 and all(t > 0 for t in plain["step_times"])
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_plain_torch_peer_trains_like_the_single_process_run(tiny_cfg, mode):
+    """The plain-loop peer (torch's DDP / FSDP2 tutorial loop in spawned processes) at dp=2."""
+    cfg = tiny_cfg(parallel={"dp": 2, "zero": 3 if mode == "fsdp2" else 0}, train={"steps": 3})
+    batches, vocab = global_batches(cfg)
+    plain = run_plain_dp(cfg, batches, vocab, mode, 2)
+    reference, _ = train_single_process(config_from_dict(cfg))
+    for a, b in zip(plain["losses"], reference, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b)
 
 
 def test_scale_says_in_numbers_what_zero3_cannot_shard():
