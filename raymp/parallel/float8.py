@@ -36,16 +36,14 @@ def converts(fqn: str, module: nn.Module) -> bool:
             and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
 
-def apply_float8(model: nn.Module, recipe: str, fsdp_all_gather: bool) -> int:
-    """Swap the model's block linears for float8 ones in place; returns how many were swapped."""
+def apply_float8(model: nn.Module, recipe: str, fsdp_all_gather: bool) -> None:
+    """Swap the model's block linears (those `converts` picks) for float8 ones, in place."""
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as exc:
-        raise Float8Unavailable(f"precision fp8 needs torchao ({exc}); pip install 'raymp[fp8]' or "
-                                "torchao, or set precision=bf16") from None
+        raise Float8Unavailable(f"precision fp8 needs torchao ({exc}): pip install torchao (ran with 0.18), "
+                                "or set precision=bf16") from None
     config = Float8LinearConfig.from_recipe_name(recipe)
     if fsdp_all_gather:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
-    before = sum(1 for fqn, m in model.named_modules() if converts(fqn, m))
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: converts(fqn, m))
-    return before
