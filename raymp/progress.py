@@ -38,6 +38,8 @@ class StepProgress:
             if m.get("bubble_fraction") is not None:
                 theory = m.get("bubble_fraction_theory")
                 bubble = f"  bubble {m['bubble_fraction']:.0%}" + (f" (theory {theory:.0%})" if theory is not None else "")
+            if m.get("moe_imbalance_max") is not None:
+                bubble += f"  experts max/mean {m['moe_imbalance_max']:.2f}  aux {m['moe_aux_loss']:.4f}"
             self.console.print(
                 f"step {step:>5}/{self.total}  loss {m['loss']:.4f}  grad_norm {m['grad_norm']:.3f}  "
                 f"{val}  lr {m['lr']:.2e}  {m['tokens_per_s']:,.0f} tok/s  {m['step_time_s'] * 1000:.0f} ms/step"

@@ -13,16 +13,19 @@ from raymp.data import TrainOrder, load_dataset
 from raymp.loss import lm_loss
 from raymp.models import build_model, model_spec
 from raymp.models.masks import document_eot, mask_kwargs
+from raymp.models.moe import finish_routing, moe_blocks, set_aux_grad_scale
 from raymp.optim import build_optimizer, build_scheduler
 from raymp.parallel.pipeline import autocast_context
 
 
 def train_single_process(cfg: RunConfig, steps: int | None = None, device: str | torch.device = "cpu",
-                         step_done: Callable[[int], None] | None = None) -> tuple[list[float], dict]:
+                         step_done: Callable[[int], None] | None = None,
+                         routing: list | None = None) -> tuple[list[float], dict]:
     """Returns (loss per step, final state dict). Each step averages the loss over the whole
     global batch, processed in chunks of micro_batch_size (memory only; the math is the same).
     `device` and `step_done(step)` (called after each optimizer step) let the GPU check time
-    this loop as its yardstick."""
+    this loop as its yardstick; `routing`, if given, gets each step's MoE routing
+    (raymp.models.moe.finish_routing)."""
     data, order = dataset_and_order(cfg)
     device = torch.device(device)
     model = build_model(model_spec(cfg.model, data.vocab_size, cfg.seed), cfg.seed, device)
@@ -33,9 +36,11 @@ def train_single_process(cfg: RunConfig, steps: int | None = None, device: str |
                          "distributed runs only); compare an fp8 run with a bf16 one")
     autocast_dtype = torch.bfloat16 if cfg.bf16 else None
     eot = document_eot(cfg, data)
+    blocks = moe_blocks(model)
     losses = []
     for step in range(steps or cfg.train.steps):
         chunks = data.gather(order.batch(step)).reshape(-1, cfg.parallel.micro_batch_size, cfg.train.seq_len + 1)
+        set_aux_grad_scale(blocks, 1 / len(chunks))
         total = 0.0
         for chunk in chunks:
             batch = torch.from_numpy(chunk.astype(np.int64)).to(device)
@@ -46,6 +51,9 @@ def train_single_process(cfg: RunConfig, steps: int | None = None, device: str |
         if cfg.optimizer.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.grad_clip)
         optimizer.step()
+        step_routing = finish_routing(blocks)
+        if routing is not None:
+            routing.append(step_routing)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(total / len(chunks))
@@ -60,6 +68,7 @@ def single_process_gradients(cfg: RunConfig) -> dict[str, torch.Tensor]:
     data, order = dataset_and_order(cfg)
     model = build_model(model_spec(cfg.model, data.vocab_size, cfg.seed), cfg.seed)
     chunks = data.gather(order.batch(0)).reshape(-1, cfg.parallel.micro_batch_size, cfg.train.seq_len + 1)
+    set_aux_grad_scale(moe_blocks(model), 1 / len(chunks))
     for chunk in chunks:
         batch = torch.from_numpy(chunk.astype(np.int64))
         logits = model(batch[:, :-1], **mask_kwargs(batch[:, :-1], document_eot(cfg, data)))

@@ -71,9 +71,10 @@ def cost_terms(layout: Layout) -> list[str]:
 
 def step_flops(args, global_batch: int, seq_len: int) -> float:
     """Model FLOPs of one optimizer step (forward + backward, no recomputation): 6·Ψ per token
-    for the weights, plus attention's 12·layers·dim·seq_len per token. The numerator of MFU."""
+    for the weights a token runs through (an MoE model's active parameters, not all its experts),
+    plus attention's 12·layers·dim·seq_len per token. The numerator of MFU."""
     tokens = global_batch * seq_len
-    return 6 * args.num_params * tokens + 12 * args.n_layers * args.dim * seq_len * tokens
+    return 6 * args.active_params * tokens + 12 * args.n_layers * args.dim * seq_len * tokens
 
 
 def step_seconds(args, layout: Layout, cluster: Cluster, global_batch: int, seq_len: int,

@@ -34,13 +34,9 @@ from torch.distributed.tensor import DTensor
 from raymp.checkpoint.integrity import rank_files
 from raymp.checkpoint.store import CheckpointError, storage_reader, storage_writer
 from raymp.checkpoint.writer_process import WRITERS, start_writer_process
+from raymp.models.spec import clean_name
 
 TIED_HEAD, EMBEDDING = "output.weight", "tok_embeddings.weight"
-
-
-def clean_name(name: str) -> str:
-    """Parameter name as in the plain model (activation checkpointing adds a wrapper level)."""
-    return name.replace("_checkpoint_wrapped_module.", "")
 
 
 def canonical(name: str, tied: bool) -> tuple[str, bool]:

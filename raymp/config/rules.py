@@ -54,6 +54,8 @@ def check_run(cfg) -> None:
             "precision fp16 is not supported: it needs loss scaling, which raymp does not do; use precision=bf16 "
             "(the same speed on GPUs that have it, and no scaling needed)"
         )
+    if m.moe is not None:
+        _check_moe(cfg)
     if cfg.precision == "fp8":
         _check_float8(cfg)
     elif cfg.float8 != type(cfg.float8)():
@@ -82,6 +84,22 @@ def vocab_too_small(model_vocab: int | None, tokenizer: str, tokenizer_vocab: in
             "tokens; leave model.vocab_size unset to take it from the tokenizer")
 
 
+def _check_moe(cfg) -> None:
+    """Mixture-of-experts blocks: the layouts whose parity with one process is tested (dp, ZeRO
+    0-3, HSDP, pp with every schedule, activation checkpointing). The others are refused, never
+    run unverified."""
+    p = cfg.parallel
+    if p.tp > 1:
+        raise ValueError("model.moe with parallel.tp > 1 is not supported (no tensor-parallel plan for expert "
+                         "blocks yet); set parallel.tp=1 and spread the model with parallel.pp or parallel.zero")
+    if p.cp > 1:
+        raise ValueError("model.moe with parallel.cp > 1 is not supported (the sequence-wise balance loss "
+                         "needs each whole sequence's routing); set parallel.cp=1")
+    if cfg.precision == "fp8":
+        raise ValueError("precision fp8 with model.moe is not supported (the routed experts are not float8 "
+                         "linears); use precision=bf16")
+
+
 def _check_float8(cfg) -> None:
     """precision fp8: where torchao's float8 training runs as raymp applies it."""
     p, f8 = cfg.parallel, cfg.float8
@@ -106,6 +124,9 @@ def compile_unsupported(cfg) -> str | None:
     """Why the blocks of this config cannot be compiled (train.compile=true is refused with it;
     unset, compilation is left off), or None."""
     p, m = cfg.parallel, cfg.model
+    if m.moe is not None:
+        return ("train.compile with model.moe is not supported (routing makes data-dependent shapes, not "
+                "verified against eager); set train.compile=false")
     if p.sequence_parallel:
         return ("train.compile with parallel.sequence_parallel is not supported: under torch 2.13 a compiled "
                 "attention or MLP fed by a sequence-parallel norm gets a wrong input gradient (measured: "

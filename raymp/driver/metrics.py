@@ -9,13 +9,15 @@ import numpy as np
 
 from raymp.config import RunConfig
 from raymp.layout import Layout
+from raymp.models.moe import imbalance
 from raymp.parallel.pipeline import bubble_stats, theoretical_bubble
 from raymp.runtime.report import RankReport
 
 # What MLflow gets per step, besides the memory columns (raymp.driver.tracking_hooks).
 LOGGED = ("loss", "val_loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "data_wait_s",
           "data_wait_fraction", "bubble_fraction", "bubble_fraction_theory", "checkpoint_blocked_s",
-          "model_tflops_per_device", "mfu", "restarts")
+          "model_tflops_per_device", "mfu", "restarts", "moe_aux_loss", "moe_imbalance_max",
+          "moe_dropped_tokens")
 
 
 def step_metrics(step: int, reports: list[RankReport], layout: Layout, cfg: RunConfig, step_time: float,
@@ -48,8 +50,24 @@ def step_metrics(step: int, reports: list[RankReport], layout: Layout, cfg: RunC
     }
     if layout.pp > 1:
         metrics.update(pipeline_metrics(reports, layout, t.global_batch_size))
+    metrics.update(moe_metrics(reports, layout))
     metrics["per_rank"] = [r.public() for r in reports]
     return metrics
+
+
+def moe_metrics(reports: list[RankReport], layout: Layout) -> dict:
+    """MoE models: the global batch's routing of every block (from the stage that holds it; its
+    replicas summed the counts already), the balance loss summed over blocks, and the load
+    imbalance (busiest expert over the mean) of the worst block. Routing is dropless: no token
+    is ever dropped."""
+    routing = {}
+    for stage in range(layout.pp):
+        routing.update(reports[layout.rank_of(dp=0, pp=stage, tp=0)].routing)
+    if not routing:
+        return {}
+    by_block = {name: imbalance(r["tokens_per_expert"]) for name, r in routing.items()}
+    return {"routing": routing, "moe_aux_loss": sum(r["aux_loss"] for r in routing.values()),
+            "moe_imbalance": by_block, "moe_imbalance_max": max(by_block.values()), "moe_dropped_tokens": 0}
 
 
 def pipeline_metrics(reports: list[RankReport], layout: Layout, global_batch: int) -> dict:

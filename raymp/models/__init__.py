@@ -11,6 +11,7 @@ from torch import nn
 
 from raymp.models.builtin import BuiltinSpec
 from raymp.models.llama import ModelArgs, Transformer
+from raymp.models.moe import MoEArgs
 from raymp.models.presets import PRESETS
 from raymp.models.spec import ModelSpec, build_part
 
@@ -33,6 +34,7 @@ def model_args(model_cfg, vocab_size: int) -> ModelArgs:
         norm_eps=model_cfg.norm_eps,
         tie_embeddings=model_cfg.tie_embeddings,
         init_std=model_cfg.init_std,
+        moe=None if model_cfg.moe is None else MoEArgs(**model_cfg.moe.model_dump()),
     )
 
 

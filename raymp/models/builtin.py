@@ -25,14 +25,16 @@ class BuiltinSpec(ModelSpec):
             return torch.ones(shape)
         std = self.args.init_std
         # Residual projections shrink with depth (GPT-2 / Llama practice) so activations stay O(1).
-        if name.endswith(("wo.weight", "w2.weight")):
+        if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
             std = std / math.sqrt(2 * self.args.n_layers)
         return seeded_normal(self.seed, name, shape, std)
 
     def reset_buffers(self, module: nn.Module) -> None:
-        module.reset_rope()
+        module.reset_buffers()
 
     def tensor_parallel(self, module: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
+        if self.args.moe is not None:  # config rules refuse it first; this guards direct callers
+            raise ValueError("tensor parallelism of mixture-of-experts blocks is not built; set parallel.tp=1")
         from torch.distributed.tensor.parallel import parallelize_module
 
         from raymp.models.llama_tp import block_plan, model_plan

@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raymp.models.feed_forward import FeedForward
 from raymp.models.masks import causal_document_mask
+from raymp.models.moe import MoEArgs, MoEFeedForward
 
 
 @dataclass(frozen=True)
@@ -29,24 +31,45 @@ class ModelArgs:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     init_std: float = 0.02
+    moe: MoEArgs | None = None  # None: every block's MLP is dense
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    def _mlp_params(self, active: bool) -> float:
+        """Feed-forward parameters per block, averaged over the blocks (MoE models keep their
+        first moe.dense_layers dense); `active`: those one token runs through."""
+        dense = 3 * self.dim * self.ffn_dim
+        if self.moe is None:
+            return dense
+        n_moe = sum(self.moe.is_moe_layer(i) for i in range(self.n_layers))
+        total, act = self.moe.layer_params(self.dim)
+        return (n_moe * (act if active else total) + (self.n_layers - n_moe) * dense) / self.n_layers
+
     @property
     def block_params(self) -> tuple[int, int]:
-        """(linear, norm) parameters of one block: the linears are what tensor parallelism
-        splits, the two RMSNorm weights stay whole."""
-        linear = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads) + 3 * self.dim * self.ffn_dim
-        return linear, 2 * self.dim
+        """(linear, norm) parameters of one block (the mean block of an MoE model): the linears
+        are what tensor parallelism splits, the two RMSNorm weights stay whole."""
+        attention = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        return round(attention + self._mlp_params(active=False)), 2 * self.dim
+
+    def _params(self, linear: float) -> int:
+        vocab = self.vocab_size * self.dim
+        return round(self.n_layers * (linear + 2 * self.dim) + vocab * (1 if self.tie_embeddings else 2) + self.dim)
 
     @property
     def num_params(self) -> int:
         """The whole model's parameters (a tied embedding once), by arithmetic: nothing built."""
-        linear, norms = self.block_params
-        vocab = self.vocab_size * self.dim
-        return self.n_layers * (linear + norms) + vocab * (1 if self.tie_embeddings else 2) + self.dim
+        attention = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        return self._params(attention + self._mlp_params(active=False))
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token runs through (MoE: its k routed experts, not all): what its
+        FLOPs, and so MFU, are counted from. num_params for a dense model."""
+        attention = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        return self._params(attention + self._mlp_params(active=True))
 
 
 class RMSNorm(nn.Module):
@@ -116,26 +139,14 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        moe = args.moe is not None and args.moe.is_moe_layer(layer)
+        self.feed_forward = MoEFeedForward(args.dim, args.moe) if moe else FeedForward(args.dim, args.ffn_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -148,7 +159,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
@@ -164,11 +175,15 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     @torch.no_grad()
-    def reset_rope(self) -> None:
-        """Recompute the RoPE tables (after the model is allocated from the meta device)."""
+    def reset_buffers(self) -> None:
+        """Recompute the RoPE tables and start the MoE routers unbiased (after the model is
+        allocated from the meta device)."""
         cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+        for layer in self.layers.values():
+            if isinstance(layer.feed_forward, MoEFeedForward):
+                layer.feed_forward.router.expert_bias.zero_()
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] int64 -> logits [b, s, vocab] (or hidden states on a middle stage).

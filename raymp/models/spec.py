@@ -68,6 +68,12 @@ class ModelSpec:
         return sum(p.numel() for p in self.build_meta().parameters())
 
 
+def clean_name(name: str) -> str:
+    """A parameter's or module's name as in the plain model (activation checkpointing adds a
+    wrapper level)."""
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
 def seeded_normal(seed: int, name: str, shape, std: float) -> torch.Tensor:
     """N(0, std) from a generator seeded by (seed, name): the same value whatever the layout
     that asks, so every rank and the single-process reference agree."""

@@ -25,6 +25,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from raymp.layout import V_SHAPED  # rank r holds stages r and 2p-1-r: first and last on rank 0
+from raymp.models.moe import moe_blocks, set_counting
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -222,6 +223,10 @@ class TimedStage(PipelineStage):
     def __init__(self, *args, clock: StepClock, meter: ActivationMeter, autocast_dtype=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.clock, self.meter, self.autocast_dtype = clock, meter, autocast_dtype
+        # torch's schedule runs a stage's forward once more on its first step to infer shapes,
+        # outside forward_one_chunk: MoE routing is counted in micro-batch forwards only.
+        self.moe_blocks = moe_blocks(self.submod)
+        set_counting(self.moe_blocks, False)
         # Set per step when documents are masked: each micro-batch's document ids, handed to the
         # stage's forward here (torch's schedules pass step() keywords to the first stage only).
         self.micro_batch_document_ids = None
@@ -229,8 +234,13 @@ class TimedStage(PipelineStage):
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
         if self.micro_batch_document_ids is not None:
             kwargs = {**(kwargs or {}), "document_ids": self.micro_batch_document_ids[fwd_chunk_id]}
-        with self.clock.span(self.stage_index, "F", fwd_chunk_id), self.meter.hooks(), autocast_context(self.device, self.autocast_dtype):
-            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        set_counting(self.moe_blocks, True)
+        try:
+            with self.clock.span(self.stage_index, "F", fwd_chunk_id), self.meter.hooks(), \
+                    autocast_context(self.device, self.autocast_dtype):
+                return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        finally:
+            set_counting(self.moe_blocks, False)
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         with self.clock.span(self.stage_index, "B" if full_backward else "I", bwd_chunk_id):

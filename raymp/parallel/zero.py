@@ -16,13 +16,13 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raymp.layout import runs_on_fsdp
 from raymp.optim import adamw_kwargs, build_optimizer, param_groups
+from raymp.torch_compat import flatten_dense_tensors, unflatten_dense_tensors
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -209,10 +209,10 @@ class DDPEngine(DataParallelEngine):
             grads = [local_tensor(p.grad) for p in module.parameters() if p.grad is not None]
             if not grads:
                 continue
-            flat = _flatten_dense_tensors(grads)
+            flat = flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=self.dp_group)
             flat.div_(self.dp_size)
-            for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            for g, reduced in zip(grads, unflatten_dense_tensors(flat, grads)):
                 g.copy_(reduced)
 
     def local_optimizer(self) -> torch.optim.Optimizer:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch.distributed.tensor import DTensor
 
-from raymp.checkpoint.rank_state import clean_name
+from raymp.models.spec import clean_name
 
 
 def full_gradients(engine) -> dict:

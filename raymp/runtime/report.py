@@ -27,6 +27,7 @@ class RankReport:
     sample_ids: np.ndarray | None = None  # first-stage ranks: the samples this rank read
     checkpoint: dict | None = None  # a save's outcome, when one finished since the last step
     pipeline_events: list = field(default_factory=list)  # pipelines: this rank's stage clock
+    routing: dict = field(default_factory=dict)  # MoE: per block of this rank, the global batch's routing
 
     @property
     def measured_bytes(self) -> int:
@@ -37,7 +38,7 @@ class RankReport:
     def public(self) -> dict:
         """The report as the run's history keeps it (without ids, events and save outcomes)."""
         out = asdict(self)
-        for key in ("sample_ids", "checkpoint", "pipeline_events"):
+        for key in ("sample_ids", "checkpoint", "pipeline_events", "routing"):
             out.pop(key)
         return out
 

@@ -13,6 +13,7 @@ from raymp.config.rules import compiles
 from raymp.layout import runs_under_autocast
 from raymp.loss import lm_loss
 from raymp.models.masks import document_ids, mask_kwargs
+from raymp.models.moe import moe_blocks, reset_routing, set_aux_grad_scale
 from raymp.models.spec import build_part, keep_only
 from raymp.parallel.checkpointing import apply_activation_checkpointing
 from raymp.parallel.compile import apply_compile
@@ -94,6 +95,7 @@ class LocalStep:
         self.num_params = spec.num_params()
         self.tied_embeddings = spec.tie_embeddings
         self.engine = _parallelize([model], spec, cfg, mesh, device, kept=kept)
+        self.moe_blocks = moe_blocks(model)
         self._autocast_dtype = _autocast_dtype(cfg)
         self.loss_meter = LossMeter()
         self.meter = ActivationMeter()  # saved activations, loss included
@@ -113,6 +115,8 @@ class LocalStep:
         """tokens: this replica's samples of the step, [local batch, seq_len + 1]."""
         micro = self._micro_batches(tokens)
         n = len(micro)
+        reset_routing(self.moe_blocks)
+        set_aux_grad_scale(self.moe_blocks, 1 / n)  # as each micro-batch's loss below
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro):
             inputs, labels, masks = self._split(batch)
@@ -233,6 +237,9 @@ class PipelineStep:
         self.num_params = sum(_whole_numel(m) for m in modules)
         self.tied_embeddings = spec.tie_embeddings
         self.engine = _parallelize(modules, spec, cfg, mesh, device, zero_bubble=p.schedule in ZERO_BUBBLE, kept=kept)
+        # The schedule divides gradients by the micro-batches after backward (scale_grads), the
+        # balance loss's with them: its gradient keeps scale 1.
+        self.moe_blocks = {name: b for m in modules for name, b in moe_blocks(m).items()}
         self.clock, self.meter = StepClock(), ActivationMeter()
         self.loss_meter = LossMeter()
         self._autocast_dtype = _autocast_dtype(cfg)
@@ -358,6 +365,7 @@ class PipelineStep:
         dist.barrier(group=self.pp_group)
         self.clock.restart()
         self.meter.reset_peak()
+        reset_routing(self.moe_blocks)
         self._loss_calls = 0
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.is_first else ()

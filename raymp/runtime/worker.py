@@ -22,11 +22,13 @@ import torch.distributed.nn  # noqa: F401
 
 from raymp.checkpoint.in_memory import PeerCopyWriter
 from raymp.checkpoint.rank_state import RankCheckpointer, host_state, load_host_state
-from raymp.checkpoint.rank_state import clean_name as _clean
 from raymp.data.stream import ReplicaStream
 from raymp.layout import device_mesh
 from raymp.models import model_spec
+from raymp.models.moe import reset_routing
+from raymp.models.spec import clean_name as _clean
 from raymp.optim import build_scheduler
+from raymp.parallel.experts import finish_expert_step
 from raymp.runtime.checkpoint_calls import CheckpointCalls
 from raymp.runtime.gradients import full_gradients
 from raymp.runtime.peer_loss import GroupSockets, StepAbandon, is_peer_loss, leave_process_groups
@@ -253,6 +255,7 @@ class Worker(CheckpointCalls):
             self.cfg.optimizer.grad_clip, p.layout.data_parallel_size * p.tp, self.program.counted_elsewhere
         )
         self.engine.optimizer.step()
+        routing = finish_expert_step(self.program.moe_blocks, self.program.mesh["data"])
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         if measure:  # between optimizer.step() and zero_grad(): every kind of state exists
@@ -261,7 +264,7 @@ class Worker(CheckpointCalls):
         self.engine.after_optimizer_step()
         return RankReport(rank=self.rank, **out, sample_ids=sample_ids, data_wait_s=data_wait,
                           grad_norm=grad_norm, lr=lr, compute_s=time.perf_counter() - t0,
-                          peak_mem_bytes=peak_memory(self.device), checkpoint=self.checkpointer.poll(),
+                          peak_mem_bytes=peak_memory(self.device), checkpoint=self.checkpointer.poll(), routing=routing,
                           **self.memory.last)
 
     def evaluate(self) -> float | None:
@@ -273,6 +276,7 @@ class Worker(CheckpointCalls):
         """Forward and backward only: the full gradient of each parameter of this rank's stages, by
         name (all ranks call; dp/tp rank 0 of each stage returns), to pin a wrong gradient down."""
         self.program.forward_backward(tokens)
+        reset_routing(self.program.moe_blocks)  # no optimizer step follows: nothing to count
         grads = full_gradients(self.engine)
         return grads if self._holds_stage_copy() else None
 

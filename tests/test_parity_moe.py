@@ -1,0 +1,97 @@
+"""Mixture-of-experts layouts are numerically the single-process run: the same losses (1e-5
+relative over 5 fp32 steps), the same weights and router biases, and at every step the same
+routing (tokens each expert got in every block) and the same balance loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raymp.config import config_from_dict
+from raymp.reference import train_single_process
+from raymp.trainer import Trainer
+from test_parity_dp import LOSS_RTOL, assert_losses_match, assert_weights_match, run_parallel
+
+
+def moe_cfg(tiny_cfg, **parallel):
+    # A balance loss strong enough to move the router in 5 steps, and a bias rate that changes
+    # which expert wins within them.
+    return tiny_cfg(model={"preset": "tiny-moe", "max_seq_len": 64,
+                           "moe": {"aux_loss_coef": 0.1, "bias_update_rate": 0.01}},
+                    parallel={"micro_batch_size": 2, **parallel})
+
+
+def check_moe_parity(cfg, group):
+    losses, history, state = run_parallel(cfg, group)
+    routing = []
+    ref_losses, ref_state = train_single_process(config_from_dict(cfg), routing=routing)
+    assert_losses_match(losses, ref_losses, LOSS_RTOL)
+    assert_weights_match(state, ref_state, atol=2e-5)  # the router biases (buffers) included
+    assert any(name.endswith("expert_bias") for name in ref_state)
+    for step, (metrics, ref) in enumerate(zip(history, routing)):
+        assert set(metrics["routing"]) == set(ref)
+        for block, r in ref.items():
+            got = metrics["routing"][block]
+            assert got["tokens_per_expert"] == r["tokens_per_expert"], f"step {step} {block}"
+            assert got["aux_loss"] == pytest.approx(r["aux_loss"], rel=1e-5), f"step {step} {block}"
+        assert metrics["moe_dropped_tokens"] == 0
+        assert metrics["moe_imbalance_max"] >= 1.0
+    assert losses[-1] < losses[0]
+    return history
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_moe_dp2_matches_single_process(zero, group2, tiny_cfg):
+    check_moe_parity(moe_cfg(tiny_cfg, dp=2, zero=zero), group2)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_moe_pp2_matches_single_process(schedule, group2, tiny_cfg):
+    check_moe_parity(moe_cfg(tiny_cfg, dp=1, pp=2, schedule=schedule), group2)
+
+
+def test_moe_dp2_pp2_zero3_with_checkpointing_matches(group4, tiny_cfg):
+    check_moe_parity(moe_cfg(tiny_cfg, dp=2, pp=2, zero=3, activation_checkpointing=True), group4)
+
+
+def test_moe_hsdp_matches_single_process(group4, tiny_cfg):
+    """dp 4 as 2 replicas x 2 shards: the routing counts are summed over both mesh dimensions."""
+    check_moe_parity(moe_cfg(tiny_cfg, dp=4, dp_replicate=2, zero=3, micro_batch_size=1), group4)
+
+
+def test_moe_eight_actor_layout_matches(group8, tiny_cfg):
+    """dp 2 x pp 4, a stage per layer (the first one dense), ZeRO-1."""
+    check_moe_parity(moe_cfg(tiny_cfg, dp=2, pp=4, zero=1, micro_batch_size=1), group8)
+
+
+@pytest.mark.parametrize("load_as", [dict(dp=1, pp=2, schedule="1f1b"), dict(dp=2, zero=3)])
+def test_moe_checkpoint_loads_into_another_layout(load_as, tmp_path, data_cache, group2):
+    """Saved at dp 2 ZeRO-1, loaded at pp 2 / ZeRO-3: every weight and router bias bit for bit,
+    then the same losses and routing as the run that went on."""
+    from test_checkpoint import run_cfg
+
+    def cfg(**kw):
+        c = run_cfg(tmp_path, data_cache, tmp_path / "checkpoints", **kw)
+        c["model"] = {"preset": "tiny-moe", "max_seq_len": 64, "moe": {"aux_loss_coef": 0.1, "bias_update_rate": 0.01}}
+        return c
+
+    with Trainer(cfg(every=3, dp=2, zero=1), actor_group=group2, progress=False) as t:
+        t.fit(3)
+        weights = t.state_dict()
+        expected = t.fit()[3:]
+    assert any(key.endswith("expert_bias") and value.abs().sum() > 0 for key, value in weights.items())
+    with Trainer(cfg(resume=str(tmp_path / "checkpoints" / "step-00000003"), **load_as),
+                 actor_group=group2, progress=False) as t:
+        loaded = t.state_dict()
+        assert loaded.keys() == weights.keys()
+        for key, value in weights.items():
+            assert torch.equal(loaded[key], value), key
+        rest = t.fit()
+    for got, want in zip(rest, expected, strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+        assert _same_routing(got["routing"], want["routing"]), got["step"]
+
+
+def _same_routing(got: dict, want: dict) -> bool:
+    return all(got[b]["tokens_per_expert"] == want[b]["tokens_per_expert"]
+               and got[b]["aux_loss"] == pytest.approx(want[b]["aux_loss"], rel=1e-5) for b in want)
