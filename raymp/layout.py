@@ -46,6 +46,7 @@ class ModelShape:
     # The attention heads context parallelism spreads over its ranks (Ulysses all-to-all); None:
     # the model does not implement context parallelism.
     cp_heads: int | None = None
+    experts: bool = False  # mixture-of-experts blocks (model.moe)
     kind: str = "the built-in model"
     layers_field: str = "model.n_layers"  # where the layer count is set, for messages
     sizes_in: str = ""  # where the tp_sizes are set, when not in the config's model section
@@ -56,7 +57,8 @@ class ModelShape:
         return cls(args.n_layers, (("model.n_heads", args.n_heads, False),
                                    ("model.n_kv_heads", args.n_kv_heads, False),
                                    ("model.ffn_dim", args.ffn_dim, False),
-                                   (vocab_name, args.vocab_size, True)), cp_heads=args.n_heads)
+                                   (vocab_name, args.vocab_size, True)), cp_heads=args.n_heads,
+                   experts=args.moe is not None)
 
 
 def padded_vocab(vocab: int, tp: int) -> int:
@@ -256,7 +258,10 @@ class Layout:
         tp = self.tp
         if tp > 1 and devices_per_node is not None and tp > devices_per_node:
             yield f"parallel.tp ({tp}) exceeds the {devices_per_node} devices of a node; a TP group stays in one"
-        if tp > 1 and not shape.tp_plan:
+        if tp > 1 and shape.experts:
+            yield ("model.moe with parallel.tp > 1 is not supported (no tensor-parallel plan for expert blocks "
+                   "yet); set parallel.tp=1 and spread the model with parallel.pp or parallel.zero")
+        elif tp > 1 and not shape.tp_plan:
             yield ("parallel.tp > 1 needs a tensor-parallel plan for a model.factory model: set "
                    "model.factory_tp_plan (docs/models.md), or use parallel.tp=1")
         for name, size, paddable in shape.tp_sizes if tp > 1 else ():
@@ -327,6 +332,10 @@ def _context_problems(layout: Layout, shape: ModelShape, seq_len: int):
     """Layout's rules on context parallelism: the model's heads and the sequence split over cp."""
     cp, tp = layout.cp, layout.tp
     if cp == 1:
+        return
+    if shape.experts:
+        yield ("model.moe with parallel.cp > 1 is not supported (the sequence-wise balance loss needs each "
+               "whole sequence's routing); set parallel.cp=1")
         return
     if shape.cp_heads is None:
         yield (f"parallel.cp is implemented for the built-in model only, not {shape.kind}: set parallel.cp=1 "

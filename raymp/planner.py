@@ -45,8 +45,10 @@ def zero_model_states(psi: float, stage: int, n: int, param_bytes: int = 2, grad
 
 def stage_params(args, layers: list[int], first: bool, last: bool, tp: int) -> float:
     """Parameters one rank holds for a stage: sharded ones divided by tp."""
-    sharded, replicated = args.block_params
-    total = len(layers) * (sharded / tp + replicated)
+    total = 0.0
+    for layer in layers:
+        sharded, replicated = args.layer_params(layer)
+        total += sharded / tp + replicated
     vocab = args.vocab_size * args.dim / tp
     if first:
         total += vocab
@@ -55,14 +57,20 @@ def stage_params(args, layers: list[int], first: bool, last: bool, tp: int) -> f
     return total
 
 
-def activation_elements_per_token(args, tp: int, sequence_parallel: bool) -> tuple[float, float, float]:
+def activation_elements_per_token(args, tp: int, sequence_parallel: bool,
+                                  layer: int | None = None) -> tuple[float, float, float]:
     """(elements of attention and the MLP, elements of the norms and the residual stream, elements
     of a block's input) that autograd keeps per token per block. Counted from what this model's
     block saves for backward (ActivationMeter on blocks of several shapes): 10·dim + 4·ffn_dim +
     n_heads + 2 per token, of which 6·dim + 2 belong to the two norms and the residual stream (not
-    split by TP, split by SP) and the rest to attention and the MLP (split by TP)."""
+    split by TP, split by SP) and the rest to attention and the MLP (split by TP). An MoE block's
+    MLP keeps MoEArgs.saved_elements_per_token in place of 4·ffn_dim. `layer`: that block's
+    (None: the mean block)."""
     norms = 6 * args.dim + 2
-    inner = 4 * args.dim + 4 * args.ffn_dim + args.n_heads
+    layers = range(args.n_layers) if layer is None else [layer]
+    moe = [args.moe is not None and args.moe.is_moe_layer(i) for i in layers]
+    mlp = sum(args.moe.saved_elements_per_token(args.dim) if m else 4 * args.ffn_dim for m in moe) / len(moe)
+    inner = 4 * args.dim + mlp + args.n_heads
     stream = norms / tp + 2 * args.dim if sequence_parallel else norms
     return inner / tp, stream, args.dim / (tp if sequence_parallel else 1)
 
@@ -141,35 +149,45 @@ def estimate(args, layout: Layout, global_batch: int, seq_len: int, bf16: bool,
     autocast = runs_under_autocast(layout.zero, bf16)
     stream_bytes = 4 if autocast else act_bytes
     tokens = layout.micro_batch_size * seq_len / layout.cp  # a cp rank holds its slice of every sequence
-    inner, stream, block_input = activation_elements_per_token(args, tp, layout.sequence_parallel)
-    per_block = inner * act_bytes + stream * stream_bytes  # bytes per token
-    sharded, replicated = args.block_params
+
+    def per_block(layer: int | None = None) -> float:  # bytes per token
+        inner, stream, _ = activation_elements_per_token(args, tp, layout.sequence_parallel, layer)
+        return inner * act_bytes + stream * stream_bytes
+
+    def block_copy(layer: int | None = None) -> float:  # a block's matrices in bf16 (under autocast)
+        sharded, replicated = args.layer_params(layer)
+        return 2 * (sharded / tp + replicated) if autocast else 0.0
+
+    block_input = activation_elements_per_token(args, tp, layout.sequence_parallel)[2]
+    largest = max(range(args.n_layers), key=lambda i: args.layer_params(i)[0])
     out = []
     for rank in range(pp):
         mine = local_stages(rank, pp, len(layers), layout.schedule) if pp > 1 else [0]
         first, last = 0 in mine, len(layers) - 1 in mine
         psi = sum(stage_params(args, layers[s], s == 0, s == len(layers) - 1, tp) for s in mine)
         p, g, o, working = _model_state(psi, layout.zero, layout.zero_shards, bf16)
-        n_blocks = sum(len(layers[s]) for s in mine)
-        per_mb = n_blocks * (block_input * stream_bytes if layout.activation_checkpointing else per_block)
+        held = [layer for s in mine for layer in layers[s]]
+        n_blocks = len(held)
+        per_mb = (n_blocks * block_input * stream_bytes if layout.activation_checkpointing
+                  else sum(per_block(layer) for layer in held))
         if first:
             per_mb += 8  # token ids
         if last:  # final norm, then log-softmax over this rank's vocabulary shard in fp32
             per_mb += (3 * args.dim + 1) * stream_bytes + args.vocab_size / tp * 4
-        block_copy = 2 * (sharded / tp + replicated) if autocast else 0.0  # a block's matrices in bf16
         # Checkpointed blocks keep no copies (they are made again in the recompute).
-        weight_copies = (0 if layout.activation_checkpointing else n_blocks * block_copy) + (
+        weight_copies = (0 if layout.activation_checkpointing else sum(block_copy(layer) for layer in held)) + (
             2 * args.vocab_size * args.dim / tp if autocast and last else 0)
         activations = in_flight(layout.schedule, pp, rank, micro) * (per_mb * tokens + weight_copies)
         buffers = 0.0
         if layout.zero == 3:  # one block gathered, one prefetched
+            sharded, replicated = args.layer_params(largest)
             buffers += 2 * (sharded / tp + replicated) * (2 if bf16 else 4)
         if layout.zero == 2 and pp > 1:  # the pipeline reshards after backward: transient
             buffers += working
         else:
             p += working
         if layout.activation_checkpointing:  # the one block being recomputed in backward
-            buffers += per_block * tokens + block_copy
+            buffers += per_block(largest) * tokens + block_copy(largest)
         out.append(RankEstimate(rank, p, g, o, activations, buffers))
     return out
 

@@ -85,16 +85,8 @@ def vocab_too_small(model_vocab: int | None, tokenizer: str, tokenizer_vocab: in
 
 
 def _check_moe(cfg) -> None:
-    """Mixture-of-experts blocks: the layouts whose parity with one process is tested (dp, ZeRO
-    0-3, HSDP, pp with every schedule, activation checkpointing). The others are refused, never
-    run unverified."""
-    p = cfg.parallel
-    if p.tp > 1:
-        raise ValueError("model.moe with parallel.tp > 1 is not supported (no tensor-parallel plan for expert "
-                         "blocks yet); set parallel.tp=1 and spread the model with parallel.pp or parallel.zero")
-    if p.cp > 1:
-        raise ValueError("model.moe with parallel.cp > 1 is not supported (the sequence-wise balance loss "
-                         "needs each whole sequence's routing); set parallel.cp=1")
+    """Mixture-of-experts blocks beyond the layout (whose rules, tp and cp among them, are
+    raymp.layout's): what else runs them unverified is refused."""
     if cfg.precision == "fp8":
         raise ValueError("precision fp8 with model.moe is not supported (the routed experts are not float8 "
                          "linears); use precision=bf16")

@@ -37,22 +37,21 @@ class ModelArgs:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
-    def _mlp_params(self, active: bool) -> float:
-        """Feed-forward parameters per block, averaged over the blocks (MoE models keep their
+    def _mlp_params(self, active: bool, layer: int | None = None) -> float:
+        """Feed-forward parameters of block `layer` (None: the mean block: MoE models keep their
         first moe.dense_layers dense); `active`: those one token runs through."""
         dense = 3 * self.dim * self.ffn_dim
         if self.moe is None:
             return dense
-        n_moe = sum(self.moe.is_moe_layer(i) for i in range(self.n_layers))
-        total, act = self.moe.layer_params(self.dim)
-        return (n_moe * (act if active else total) + (self.n_layers - n_moe) * dense) / self.n_layers
+        if layer is not None:
+            return self.moe.layer_params(self.dim)[active] if self.moe.is_moe_layer(layer) else dense
+        return sum(self._mlp_params(active, i) for i in range(self.n_layers)) / self.n_layers
 
-    @property
-    def block_params(self) -> tuple[int, int]:
-        """(linear, norm) parameters of one block (the mean block of an MoE model): the linears
-        are what tensor parallelism splits, the two RMSNorm weights stay whole."""
+    def layer_params(self, layer: int | None = None) -> tuple[float, int]:
+        """(linear, norm) parameters of block `layer` (None: the mean block): the linears are
+        what tensor parallelism splits, the two RMSNorm weights stay whole."""
         attention = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
-        return round(attention + self._mlp_params(active=False)), 2 * self.dim
+        return attention + self._mlp_params(active=False, layer=layer), 2 * self.dim
 
     def _params(self, linear: float) -> int:
         vocab = self.vocab_size * self.dim

@@ -55,9 +55,8 @@ def local_stages(pp_rank: int, pp: int, num_stages: int, schedule: str) -> list[
 def stage_costs(args) -> tuple[list[int], int, int]:
     """(parameters per block, embedding parameters, norm + head parameters). A tied head still
     costs the last stage its weight: it holds a copy and does the vocab-sized matmul."""
-    block = sum(args.block_params)
     embed = args.vocab_size * args.dim
-    return [block] * args.n_layers, embed, embed + args.dim
+    return [round(sum(args.layer_params(i))) for i in range(args.n_layers)], embed, embed + args.dim
 
 
 def balance_stages(args, num_stages: int) -> list[list[int]]:
