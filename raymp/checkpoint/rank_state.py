@@ -35,6 +35,7 @@ from raymp.checkpoint.integrity import rank_files
 from raymp.checkpoint.store import CheckpointError, storage_reader, storage_writer
 from raymp.checkpoint.writer_process import WRITERS, start_writer_process
 from raymp.models.spec import clean_name
+from raymp.torch_compat import set_scheduler_position
 
 TIED_HEAD, EMBEDDING = "output.weight", "tok_embeddings.weight"
 
@@ -352,11 +353,10 @@ def restore_schedule_position(scheduler, saved: dict) -> None:
     are the config's, so a warm start with a changed optimizer.lr trains with that lr. A resume
     with an unchanged config gets exactly the saved values back."""
     scheduler.last_epoch = saved["last_epoch"]
-    scheduler._step_count = saved.get("_step_count", saved["last_epoch"] + 1)
     lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
     for group, lr in zip(scheduler.optimizer.param_groups, lrs):
         group["lr"] = lr
-    scheduler._last_lr = lrs
+    set_scheduler_position(scheduler, saved.get("_step_count", saved["last_epoch"] + 1), lrs)
 
 
 def _failed(exc: BaseException) -> Future:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from raymp.storage import fsspec_fs, is_uri
+from raymp.torch_compat import fsspec_storage_reader, fsspec_storage_writer
 
 MARKER = "raymp.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -35,18 +36,14 @@ class CheckpointError(RuntimeError):
 def storage_writer(path: str):
     """DCP's writer for a path (plain files) or a URI (fsspec)."""
     if is_uri(path):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-        return FsspecWriter(path)
+        return fsspec_storage_writer(path)
 
     return FileSystemWriter(path)
 
 
 def storage_reader(path: str):
     if is_uri(path):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        return FsspecReader(path)
+        return fsspec_storage_reader(path)
 
     return FileSystemReader(path)
 

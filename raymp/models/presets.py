@@ -32,20 +32,7 @@ PRESETS: dict[str, dict] = {
     "gpt3-175b": dict(vocab_size=50304, dim=12288, n_layers=96, n_heads=96, n_kv_heads=96,
                       ffn_dim=32768, max_seq_len=2048, rope_theta=10000.0, norm_eps=1e-5,
                       tie_embeddings=True, init_std=0.02),
-    # Mixture-of-experts: tiny's and small's attention with dropless top-2 routing over 8 / 16
-    # SwiGLU experts and one shared expert; the first layer stays dense.
-    "tiny-moe": dict(vocab_size=None, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=176,
-                     max_seq_len=256, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=True,
-                     init_std=0.02,
-                     moe=dict(n_experts=8, top_k=2, expert_ffn_dim=64, n_shared_experts=1,
-                              score="softmax", normalize_topk=True, aux_loss_coef=0.01,
-                              bias_update_rate=0.001, dense_layers=1)),
-    "small-moe": dict(vocab_size=None, dim=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=688,
-                      max_seq_len=512, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=True,
-                      init_std=0.02,
-                      moe=dict(n_experts=16, top_k=2, expert_ffn_dim=256, n_shared_experts=1,
-                               score="softmax", normalize_topk=True, aux_loss_coef=0.01,
-                               bias_update_rate=0.001, dense_layers=1)),
+    # Mixture-of-experts classes, for planning (see the module docstring).
     "mixtral-8x7b": dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                          ffn_dim=14336, max_seq_len=32768, rope_theta=1e6, norm_eps=1e-5,
                          tie_embeddings=False, init_std=0.02,
@@ -65,3 +52,10 @@ PRESETS: dict[str, dict] = {
                                  score="sigmoid", normalize_topk=True, aux_loss_coef=0.0001,
                                  bias_update_rate=0.001, dense_layers=3)),
 }
+
+# Mixture-of-experts forms of tiny and small: their attention with dropless top-2 routing over 8 /
+# 16 SwiGLU experts and one shared expert; the first layer stays dense (model.ffn_dim).
+_SMALL_ROUTING = dict(n_shared_experts=1, score="softmax", normalize_topk=True, aux_loss_coef=0.01,
+                      bias_update_rate=0.001, dense_layers=1)
+PRESETS["tiny-moe"] = dict(PRESETS["tiny"], moe=dict(n_experts=8, top_k=2, expert_ffn_dim=64, **_SMALL_ROUTING))
+PRESETS["small-moe"] = dict(PRESETS["small"], moe=dict(n_experts=16, top_k=2, expert_ffn_dim=256, **_SMALL_ROUTING))

@@ -27,6 +27,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from raymp.torch_compat import CHECKPOINT_WRAPPED
+
 EMBEDDING, HEAD = "tok_embeddings.weight", "output.weight"
 
 
@@ -71,7 +73,7 @@ class ModelSpec:
 def clean_name(name: str) -> str:
     """A parameter's or module's name as in the plain model (activation checkpointing adds a
     wrapper level)."""
-    return name.replace("_checkpoint_wrapped_module.", "")
+    return name.replace(f"{CHECKPOINT_WRAPPED}.", "")
 
 
 def seeded_normal(seed: int, name: str, shape, std: float) -> torch.Tensor:

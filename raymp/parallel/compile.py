@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from raymp.torch_compat import set_compile_threads, unwrapped
+
 
 def apply_compile(model: nn.Module, block_names: list[str], tensor_parallel: bool) -> None:
     """Each block compiled in place. Under tensor parallelism only each block's sharded
@@ -19,18 +21,16 @@ def apply_compile(model: nn.Module, block_names: list[str], tensor_parallel: boo
     embedding gradient (0.03 off, measured in two gloo processes); attention and MLP compiled
     alone give eager's gradients. A module without the stageable shape's blocks (a
     model.factory module, refused with tp > 1 by the config rules) is compiled whole."""
-    import torch._inductor.config as inductor_config
-
     # As many compile workers as the actor has threads: inductor's default pool starts a
     # subprocess per core of the machine, which on an actor that owns a core or two only
     # competes with training (its start-up costs more than it saves for raymp's few, alike blocks).
-    inductor_config.compile_threads = max(1, torch.get_num_threads())
+    set_compile_threads(max(1, torch.get_num_threads()))
     for name in block_names:
         block = model.get_submodule(name)
         if not tensor_parallel:
             block.compile()
             continue
-        inner = getattr(block, "_checkpoint_wrapped_module", block)  # under activation checkpointing
+        inner = unwrapped(block)  # under activation checkpointing
         for child in inner.children():
             if _has_sharded_parameters(child):
                 child.compile()

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from raymp.models.llama import ScaledDotProductAttention
+from raymp.torch_compat import drop_buffer
 
 
 class _AllToAll(torch.autograd.Function):
@@ -95,7 +96,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh, seq_len: int) -> None:
     # token. They now differ between the ranks of a data-parallel group, so they stop being
     # buffers (DDP broadcasts buffers from its group's rank 0, which would undo the shift).
     for name in ("rope_cos", "rope_sin"):
-        table = model._buffers.pop(name)
+        table = drop_buffer(model, name)
         setattr(model, name, table[start:].clone())
 
 

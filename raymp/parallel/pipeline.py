@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from raymp.layout import V_SHAPED  # rank r holds stages r and 2p-1-r: first and last on rank 0
 from raymp.models.moe import moe_blocks, set_counting
+from raymp.torch_compat import dtensor_local, view_base
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -169,10 +170,10 @@ class ActivationMeter:
 
         def pack(t: torch.Tensor):
             meter.on_activation()
-            base = t._base if t._base is not None else t  # linear saves weight.t(), a view
+            base = view_base(t)
             if isinstance(base, nn.Parameter) or t.device.type == "meta":
                 return _Saved(t, None)
-            local = t._local_tensor if isinstance(t, DTensor) else t  # TP: this rank's piece
+            local = dtensor_local(t) if isinstance(t, DTensor) else t  # TP: this rank's piece
             try:
                 storage = local.untyped_storage()
                 key = storage.data_ptr()

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 import torch.distributed as dist
 
 from raymp.checkpoint.writer_process import close_writer_process
+from raymp.torch_compat import clear_mesh_group_registry
 
 
 def is_peer_loss(error: BaseException | None) -> bool:
@@ -118,12 +119,9 @@ def release_mesh_groups(meshes: Iterable) -> None:
     that left its groups under TP or FSDP2 kept their sockets open, and a peer inside a collective
     with it waited out the whole timeout. Measured in two gloo processes after one TP step: the
     peer waited 20 s of 20 with the registry kept, failed at once with it emptied. (The registry
-    is private to torch; where a version has none, there is nothing to empty.)"""
+    is private to torch: raymp.torch_compat.)"""
     for mesh in meshes:
-        for m in (mesh, getattr(mesh, "_root_mesh", None)):
-            registry = getattr(m, "_pg_registry", None)
-            if isinstance(registry, dict):
-                registry.clear()
+        clear_mesh_group_registry(mesh)
 
 
 class StepAbandoned(dist.DistError):
