@@ -238,3 +238,53 @@ def test_train_pp2_tp2_export_and_reload_in_transformers(family, group4, tiny_cf
     with torch.no_grad():
         torch.testing.assert_close(hf_model(tmp_path / "hf")(tokens()).logits, mine.eval()(tokens()),
                                    rtol=0, atol=1e-5)
+
+
+# -- mixture-of-experts families ------------------------------------------------------------------
+
+_MOE_BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128)
+MOE_FAMILIES = {
+    "mixtral": dict(_MOE_BASE, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(_MOE_BASE, model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64),
+    "qwen3_moe": dict(_MOE_BASE, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      head_dim=16),
+}
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_family_is_transformers_forward_and_exports_to_from_pretrained(family, tmp_path):
+    """Mixtral, Qwen2-MoE, Qwen3-MoE through the glue: transformers' own sparse blocks, the same
+    logits, exported to a directory from_pretrained loads; the planner counts their experts."""
+    spec = HFSpec(load_hf_config(None, MOE_FAMILIES[family]), None, seed=3)
+    model = build_model(spec, 3).eval()
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    export_hf(weights, spec.hf_config, tmp_path / "m")
+    reloaded = hf_model(tmp_path / "m")
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens()), reloaded(tokens()).logits, rtol=0, atol=1e-6)
+    from raymp.models import model_args
+
+    cfg = config_from_dict({"model": {"hf_config": MOE_FAMILIES[family]}})
+    args = model_args(cfg.model, 256)
+    assert args.moe is not None and args.num_params == pytest.approx(spec.num_params(), rel=0.01)
+    assert args.active_params < args.num_params
+
+
+@pytest.mark.parametrize("family,layout", [
+    ("mixtral", {"dp": 2, "zero": 3}), ("mixtral", {"dp": 1, "pp": 2}), ("qwen3_moe", {"dp": 1, "pp": 2}),
+])
+def test_moe_family_trains_like_one_process(family, layout, group2, tiny_cfg):
+    check_parity(hf_run(tiny_cfg, {"hf_config": MOE_FAMILIES[family]}, layout), group2, weight_atol=WEIGHT_ATOL)
+
+
+@pytest.mark.parametrize("change,parallel,match", [
+    ({"output_router_logits": True}, {}, "output_router_logits"),
+    ({}, {"tp": 2}, r"model.moe with parallel.tp > 1"),
+    ({"mlp_only_layers": [2]}, {}, "mlp_only_layers"),
+])
+def test_moe_family_refusals(change, parallel, match):
+    with pytest.raises(ConfigError, match=match):
+        config_from_dict({"model": {"hf_config": {**MOE_FAMILIES["qwen3_moe"], **change}}, "parallel": parallel,
+                          "train": {"global_batch_size": 8}})

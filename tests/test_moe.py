@@ -145,6 +145,7 @@ def test_published_moe_shapes():
     ({"model": {"hf_config": {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
                               "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 256},
                 "moe": {"n_experts": 4}}, "tracking": {"enabled": False}}, "model.moe"),
+    ({"model": {"factory": "helpers.custom_model:build", "moe": {"n_experts": 4}}}, "model.moe"),
 ])
 def test_moe_refusals_name_the_field(settings, field):
     with pytest.raises((ConfigError, ValueError)) as err:

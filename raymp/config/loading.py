@@ -99,6 +99,9 @@ def with_model_shape(model: dict) -> dict:
     if len(sources) != 1 or (sources[0] == "factory" and model.get("preset", "tiny") is not None):
         return model  # several sources: the schema says so; a factory with a preset: its shape
     fields = probed_shape(model)
+    if model.get("moe") is not None and "moe" not in fields:
+        raise ValueError(f"model.moe builds the built-in model's MoE blocks; the model.{sources[0]} model is not "
+                         "a mixture of experts, or brings its own: remove model.moe")
     if sources[0] == "factory":
         return {**fields, **{k: v for k, v in model.items() if v is not None}, "preset": None}
     set_by_hand = [k for k, v in fields.items() if model.get(k) is not None and model[k] != v]

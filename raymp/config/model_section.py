@@ -19,8 +19,9 @@ class Strict(BaseModel):
 
 
 class MoEConfig(Strict):
-    """Mixture-of-experts feed-forward blocks for the built-in model (raymp.models.moe): dropless
-    token-choice top-k routing, SwiGLU experts. A preset's values fill what is not set."""
+    """Mixture-of-experts feed-forward blocks: the built-in model's (raymp.models.moe: dropless
+    token-choice top-k routing, SwiGLU experts; a preset's values fill what is not set), or read
+    off a Hugging Face MoE family's config (what the planner counts; not set by hand)."""
 
     n_experts: int = Field(8, ge=2, description="routed experts per MoE block")
     top_k: int = Field(2, ge=1, description="experts each token is sent to")
@@ -67,7 +68,7 @@ class ModelConfig(Strict):
     tie_embeddings: bool | None = None
     init_std: float | None = Field(None, gt=0)
     moe: MoEConfig | None = Field(None, description="mixture-of-experts blocks (built-in model); None: dense, "
-                                  "or the preset's")
+                                  "or the preset's (a Hugging Face MoE family's are read off its config)")
 
     @model_validator(mode="before")
     @classmethod
@@ -115,9 +116,9 @@ class ModelConfig(Strict):
 
     @model_validator(mode="after")
     def _check_shape(self) -> "ModelConfig":
-        if self.moe is not None and (self.is_hf or self.factory is not None):
-            raise ValueError("model.moe builds the built-in model's MoE blocks; a Hugging Face or factory model "
-                             "brings its own: remove model.moe")
+        if self.moe is not None and self.factory is not None:
+            raise ValueError("model.moe builds the built-in model's MoE blocks; a model.factory module brings "
+                             "its own: remove model.moe")
         if self.moe is not None and self.moe.dense_layers >= self.n_layers:
             raise ValueError(f"model.moe.dense_layers ({self.moe.dense_layers}) leaves none of the "
                              f"{self.n_layers} layers an MoE block; lower it below model.n_layers")

@@ -26,7 +26,10 @@ from torch import nn
 from raymp.models.masks import hf_masks
 from raymp.models.spec import EMBEDDING, HEAD, ModelSpec, generic_initial_value
 
-LLAMA_LIKE = ("llama", "qwen2", "mistral")
+# Mixture-of-experts families run transformers' own sparse blocks (dropless top-k, experts as
+# stacked weights); raymp pipelines and data-parallelizes them like the dense ones.
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+LLAMA_LIKE = ("llama", "qwen2", "mistral", *MOE_FAMILIES)
 SUPPORTED = (*LLAMA_LIKE, "gpt2")
 
 
@@ -98,12 +101,38 @@ def shape_fields(cfg) -> dict:
                     max_seq_len=cfg.n_positions, rope_theta=10000.0, norm_eps=cfg.layer_norm_epsilon,
                     tie_embeddings=bool(cfg.tie_word_embeddings), init_std=cfg.initializer_range)
     rope = getattr(cfg, "rope_parameters", None) or {}
-    return dict(vocab_size=cfg.vocab_size, dim=cfg.hidden_size, n_layers=cfg.num_hidden_layers,
+    moe = {"moe": moe_fields(cfg)} if cfg.model_type in MOE_FAMILIES else {}
+    return dict(**moe, vocab_size=cfg.vocab_size, dim=cfg.hidden_size, n_layers=cfg.num_hidden_layers,
                 n_heads=cfg.num_attention_heads, n_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
                 ffn_dim=cfg.intermediate_size, max_seq_len=cfg.max_position_embeddings,
                 rope_theta=float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))),
                 norm_eps=cfg.rms_norm_eps, tie_embeddings=bool(cfg.tie_word_embeddings),
                 init_std=cfg.initializer_range)
+
+
+def moe_fields(cfg) -> dict:
+    """model.moe read off an MoE family's config: what the planner counts (every expert's state,
+    the k a token runs through). Qwen2-MoE's one shared expert of its own width counts as that
+    many expert widths."""
+    if getattr(cfg, "output_router_logits", False):
+        raise HFModelError(
+            f"output_router_logits in the {cfg.model_type} config asks transformers to add its router "
+            "auxiliary loss, which raymp's glue does not compute (it would be silently left out); set "
+            "output_router_logits=false, or use the built-in model's model.moe.aux_loss_coef")
+    expert = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    shared = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
+    sparse_step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    dense = set(getattr(cfg, "mlp_only_layers", None) or ())
+    dense |= {i for i in range(cfg.num_hidden_layers) if (i + 1) % sparse_step}
+    if dense and dense != set(range(len(dense))):
+        raise HFModelError(f"{cfg.model_type}: dense MLP layers {sorted(dense)} between MoE ones are not "
+                           "supported (raymp plans leading dense layers only); set mlp_only_layers=[] and "
+                           "decoder_sparse_step=1 in the config")
+    return dict(n_experts=getattr(cfg, "num_local_experts", None) or cfg.num_experts,
+                top_k=cfg.num_experts_per_tok, expert_ffn_dim=expert,
+                n_shared_experts=round(shared / expert), score="softmax",
+                normalize_topk=bool(getattr(cfg, "norm_topk_prob", True)), aux_loss_coef=0.0,
+                bias_update_rate=0.0, dense_layers=len(dense))
 
 
 def tensor_parallel_dims(cfg) -> dict[str, int]:

@@ -26,6 +26,7 @@ def model_shape(model_cfg, vocab_size: int | None, tokenizer: str | None = None)
         # Llama-like glue plans sequence parallelism; GPT-2's adds learned positions to each
         # slice of the sequence, which it does not plan.
         return ModelShape(model_cfg.n_layers, sizes, sequence_parallel=hf.model_type != "gpt2",
+                          experts=model_cfg.moe is not None,
                           kind=f"the Hugging Face {hf.model_type} model", layers_field=f"{layers} in {where}", sizes_in=where)
     vocab_entry = () if vocab is None else ((
         "model.vocab_size" if model_cfg.vocab_size else f"the vocabulary of the {tokenizer or 'data'} tokenizer",
