@@ -8,6 +8,16 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+# The torch releases these APIs are checked against (pyproject.toml's range; tests/test_torch_compat.py).
+SUPPORTED_TORCH = ((2, 8), (3, 0))
+
+
+def torch_supported(version: str = torch.__version__) -> bool:
+    """Whether a torch version lies in SUPPORTED_TORCH (lower bound in, upper bound out)."""
+    major, minor = (int(part) for part in version.split("+")[0].split(".")[:2])
+    return SUPPORTED_TORCH[0] <= (major, minor) < SUPPORTED_TORCH[1]
+
+
 # DDP-style gradient buckets: one flat buffer per dtype, and views back into it (no public API).
 flatten_dense_tensors = _flatten_dense_tensors
 unflatten_dense_tensors = _unflatten_dense_tensors
@@ -76,6 +86,28 @@ def fsspec_storage_reader(path: str):
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     return FsspecReader(path)
+
+
+def dcp_writer_process():
+    """DCP's checkpoint writer process (async_save: process), kept by torch in a module global
+    with no public way to start it early or close it; None when none runs."""
+    from torch.distributed.checkpoint import _async_process_executor
+
+    return _async_process_executor._CHECKPOINT_PROCESS
+
+
+def start_dcp_writer_process(group) -> None:
+    """Start DCP's writer process for `group` now, as torch would at the first process save."""
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    executor._CHECKPOINT_PROCESS = executor._AsyncCheckpointProcess(executor._ProcessGroupInitInfo(group))
+
+
+def forget_dcp_writer_process() -> None:
+    """Make torch start a new writer process at the next process save."""
+    from torch.distributed.checkpoint import _async_process_executor
+
+    _async_process_executor._CHECKPOINT_PROCESS = None
 
 
 def view_base(t: torch.Tensor) -> torch.Tensor:

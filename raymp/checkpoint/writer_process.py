@@ -14,8 +14,9 @@ import sys
 import tempfile
 
 import ray
-from torch.distributed.checkpoint import _async_process_executor
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from raymp.torch_compat import dcp_writer_process, forget_dcp_writer_process, start_dcp_writer_process
 
 # checkpoint.async_save -> who writes. A process keeps serialization off the training process's GIL.
 WRITERS = {True: AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
@@ -25,7 +26,7 @@ def start_writer_process(group) -> None:
     """Start DCP's writer process now (every rank at once: the children form a gloo world), with
     its stderr in a log file. torch would start it at the first save with the actor's stderr, and
     the child logs at INFO on every save (four lines per rank), which Ray prints on the driver."""
-    if _async_process_executor._CHECKPOINT_PROCESS is not None:
+    if dcp_writer_process() is not None:
         return
     log_path = os.path.join(_log_dir(), f"raymp-checkpoint-writer-{os.getpid()}.log")
     sys.stderr.flush()
@@ -33,9 +34,7 @@ def start_writer_process(group) -> None:
     try:
         with open(log_path, "ab") as log:
             os.dup2(log.fileno(), 2)  # what the child inherits; this process's own is put back below
-            process = _async_process_executor._AsyncCheckpointProcess(
-                _async_process_executor._ProcessGroupInitInfo(group))
-            _async_process_executor._CHECKPOINT_PROCESS = process
+            start_dcp_writer_process(group)
     finally:
         os.dup2(kept, 2)
         os.close(kept)
@@ -56,7 +55,7 @@ def close_writer_process() -> None:
     joined a gloo world of its own at its first save, sized to the ranks then: once they change
     (survivors re-forming their group) it would wait on writers that are gone. torch keeps it in a
     module global and has no public way to close it."""
-    process = _async_process_executor._CHECKPOINT_PROCESS
+    process = dcp_writer_process()
     if process is not None:
-        _async_process_executor._CHECKPOINT_PROCESS = None
+        forget_dcp_writer_process()
         process.__del__()  # asks it to stop, terminates it after 5 s
