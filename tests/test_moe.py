@@ -146,6 +146,7 @@ def test_published_moe_shapes():
                               "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 256},
                 "moe": {"n_experts": 4}}, "tracking": {"enabled": False}}, "model.moe"),
     ({"model": {"factory": "helpers.custom_model:build", "moe": {"n_experts": 4}}}, "model.moe"),
+    ({"model": {"preset": "tiny-moe"}, "parallel": {"ep": 2}}, "expert parallelism is not built yet"),
 ])
 def test_moe_refusals_name_the_field(settings, field):
     with pytest.raises((ConfigError, ValueError)) as err:
