@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from raymp.checkpoint.store import CheckpointError
 from raymp.config import ConfigError
 from raymp.data import DataError
 from raymp.trainer import Trainer
@@ -69,6 +70,26 @@ def test_a_cache_dir_that_cannot_be_written_is_named(tiny_cfg, tmp_path, ray_loc
                                         r"data.cache_dir to a place this user can write"):
         Trainer(cfg, progress=False).setup()
     _nothing_left(tmp_path / "runs")
+
+
+def test_a_cache_dir_that_is_a_file_is_one_line_before_anything_starts(tmp_path):
+    """data.cache_dir naming a file: one line, exit 2, before Ray or the data (once a pyarrow
+    traceback from inside the data preparation)."""
+    (tmp_path / "a-file").write_text("")
+    proc = raymp("train", "configs/tiny.yaml", "--set", f"data.cache_dir={tmp_path / 'a-file'}", "--set",
+                 f"output_dir={tmp_path / 'runs'}", "--no-progress")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"raymp: error: data.cache_dir {tmp_path / 'a-file'} is a file, not a "
+                                                "directory; set data.cache_dir to a directory (it is made if "
+                                                "missing), or move the file away"]
+
+
+def test_an_unwritable_checkpoint_dir_fails_before_the_data_is_prepared(tiny_cfg, tmp_path):
+    cfg = tiny_cfg(checkpoint={"every": 2, "dir": "/proc/raymp-no/checkpoints"},
+                   data={"source": "kjv", "tokenizer": "byte", "cache_dir": str(tmp_path / "never-made")})
+    with pytest.raises(CheckpointError, match=r"checkpoint.dir /proc/raymp-no/checkpoints is not writable"):
+        Trainer(cfg, progress=False).setup()
+    assert not (tmp_path / "never-made").exists()  # nothing was prepared
 
 
 def test_a_model_too_large_for_the_cluster_is_refused_before_any_actor(tiny_cfg, tmp_path, ray_local):

@@ -53,7 +53,7 @@ LAYOUTS = {
 }
 
 
-def test_estimates_match_measured_memory_within_15_percent(group2, group4, tiny_cfg, capsys):
+def test_estimates_match_measured_memory_within_15_percent(group2, group4, tiny_cfg):
     rows = []
     for name, (world, parallel, *precision) in LAYOUTS.items():
         cfg = tiny_cfg(parallel={"micro_batch_size": 2, "dp": 1, **parallel}, precision=(precision or ["fp32"])[0],
@@ -63,13 +63,12 @@ def test_estimates_match_measured_memory_within_15_percent(group2, group4, tiny_
             t.step()
             for r in t.memory():
                 rows.append((name, r["rank"], r["measured_bytes"], r["estimated_bytes"]))
-    with capsys.disabled():
-        print("\nlayout          rank  measured KiB  estimated KiB  ratio")
-        for name, rank, measured, est in rows:
-            print(f"{name:<15} {rank:>4}  {measured / 1024:>12.1f}  {est / 1024:>13.1f}  {est / measured:.3f}")
+    table = "\n".join(["layout          rank  measured KiB  estimated KiB  ratio"] + [
+        f"{name:<15} {rank:>4}  {measured / 1024:>12.1f}  {est / 1024:>13.1f}  {est / measured:.3f}"
+        for name, rank, measured, est in rows])  # shown when an assertion fails
     for name, rank, measured, est in rows:
         # bf16 rows are held closer: the priced dtypes are the point there
-        assert abs(est - measured) <= (0.05 if "bf16" in name else 0.15) * measured, (name, rank, measured, est)
+        assert abs(est - measured) <= (0.05 if "bf16" in name else 0.15) * measured, f"{name} rank {rank}\n{table}"
 
 
 def _args(preset, vocab=256):

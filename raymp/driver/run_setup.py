@@ -16,7 +16,8 @@ from raymp.tracking_store import check_tracking_store, tracking_uri
 
 def check_destinations(cfg: RunConfig) -> None:
     """Where the run will write, checked before anything starts, so a bad place fails in a second
-    with one line and leaves nothing behind: output_dir, and the tracking store."""
+    with one line and leaves nothing behind: output_dir, data.cache_dir (a directory, if it
+    exists), a checkpoint.dir of its own (writable, when the run saves), and the tracking store."""
     for field, value in (("output_dir", cfg.output_dir), ("checkpoint.dir", cfg.checkpoint.dir)):
         if value is not None and _in_a_jobs_working_dir_copy(value):
             raise ConfigError(
@@ -30,6 +31,12 @@ def check_destinations(cfg: RunConfig) -> None:
         raise ConfigError(f"output_dir {cfg.output_dir} is not writable ({getattr(exc, 'strerror', None) or exc}); "
                           "set output_dir to a directory this user can write, or storage these credentials "
                           "reach") from None
+    fs, cache = storage.fsspec_fs(cfg.data.cache_dir)
+    if fs.exists(cache) and not fs.isdir(cache):
+        raise ConfigError(f"data.cache_dir {cfg.data.cache_dir} is a file, not a directory; set data.cache_dir to "
+                          "a directory (it is made if missing), or move the file away")
+    if cfg.checkpoint.every and cfg.checkpoint.dir is not None:  # the run's own dir is checked at its lineage
+        CheckpointStore(cfg.checkpoint.dir, cfg.checkpoint.keep_last).probe_writable()
     if cfg.tracking.enabled:
         check_tracking_store(tracking_uri(cfg), cfg.tracking.connect_timeout_s)
 
