@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from raymp.torch_compat import flatten_mesh, unflatten_mesh
-
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
 V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, placed as a V
 
@@ -317,6 +315,8 @@ def device_mesh(layout: Layout, device_type: str) -> dict:
     HSDP a 2-D mesh (replicate, shard), which FSDP2 reads as shard along the second dimension,
     replicate along the first."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    from raymp.torch_compat import flatten_mesh, unflatten_mesh
 
     if layout.dp_replicate > 1:
         mesh = init_device_mesh(device_type, (layout.dp_replicate, layout.dp_shard * layout.cp, layout.pp, layout.tp),

