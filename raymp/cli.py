@@ -107,14 +107,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             print(yaml.safe_dump(resolved_dict(cfg), sort_keys=False), end="")
             return 0
-        from raymp.driver.stopping import stop_on_sigterm
+        from raymp.driver.stopping import stop_on_signals
         from raymp.trainer import Trainer
 
         if args.command == "timeline":
             return _timeline(cfg, args)
         with Trainer(cfg, progress=not args.no_progress) as trainer:
             trainer.setup()
-            stop_on_sigterm()  # after Ray connects (see there)
+            stop_on_signals()  # after Ray connects (see there)
             trainer.fit()
             if args.no_progress:  # the outcome and where it is recorded are not progress
                 print(trainer.summary())

@@ -73,3 +73,26 @@ def test_data_prepare_stops_on_bad_records_or_skips_and_counts_them(tmp_path):
     assert "from 40 documents" in out.stdout and "SKIPPED 1 bad_json" in out.stdout
     root = re.search(r"^dataset: (\S+)$", out.stdout, re.M).group(1)
     assert (Path(root) / "manifest.json").is_file() and list(Path(root).glob("shard-*.parquet"))
+
+
+def test_sigint_stops_a_run_started_with_sigint_ignored(tmp_path):
+    """A command started in the background by a script (or CI) inherits SIGINT ignored; `kill -INT`
+    must still stop it as Ctrl-C does (once it trained to its end instead)."""
+    import signal
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "raymp.cli", "train", "configs/tiny.yaml", "--set", "train.steps=500",
+         "--set", "train.log_every=1", "--set", "checkpoint.every=0", "--set", "tracking.enabled=false",
+         "--set", f"output_dir={tmp_path / 'runs'}"],
+        cwd=ROOT, env={**os.environ, "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        for line in proc.stdout:  # wait on the event (a step line: plain lines off a terminal), not a clock
+            if line.startswith("step "):
+                break
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "raymp: stopped (interrupt or SIGTERM)" in err and "step   500/500" not in out

@@ -178,20 +178,21 @@ def _signal_after(trainer, steps: int, signum: int) -> None:
 
 
 def _stop_after_4(cfg, group, signum) -> list[dict]:
-    """Train until the signal after step 4; the steps done. The SIGTERM handler is the CLI's."""
-    from raymp.driver.stopping import stop_on_sigterm
+    """Train until the signal after step 4; the steps done. The signal handlers are the CLI's."""
+    from raymp.driver.stopping import stop_on_signals
 
-    previous = signal.getsignal(signal.SIGTERM)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         with Trainer(cfg, actor_group=group) as t:
             t.setup()
-            stop_on_sigterm()
+            stop_on_signals()
             _signal_after(t, 4, signum)
             with pytest.raises(KeyboardInterrupt):
                 t.fit()
             return list(t.history)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _resume_matches_reference(cfg, group, done: list[dict], ref) -> None:

@@ -33,11 +33,17 @@ def stop_signals_held(say, doing: str):
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
 
 
-def stop_on_sigterm() -> None:
+def stop_on_signals() -> None:
     """SIGTERM (`ray job stop`, a scheduler's preemption) ends a run as Ctrl-C does: the save in
     flight is committed, the MLflow run marked KILLED, the actors released. Call it after Ray is
-    connected: ray.init puts in its own SIGTERM handler, which would end the driver mid-step."""
+    connected: ray.init puts in its own SIGTERM handler, which would end the driver mid-step.
+
+    SIGINT gets Python's own handler back even where the process started with it ignored: a
+    command started in the background by a non-interactive shell (`raymp train ... &` in a script,
+    CI) inherits SIGINT ignored, and Python then leaves it so, which made `kill -INT` and Ctrl-C do
+    nothing and the run train to its end."""
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _raise_interrupt(signum, frame):
