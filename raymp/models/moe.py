@@ -137,7 +137,7 @@ class MoEFeedForward(nn.Module):
         # The balance loss's gradient is scaled like the language-model loss it sits beside: the
         # step program sets it (1/micro-batches where each micro-batch's loss is divided so).
         self.aux_grad_scale = 1.0
-        self.routing = RoutingStats(args.n_experts)
+        self.routing = RoutingStats()
         # Off where forwards run that are not the step's micro-batches (a pipeline schedule's
         # metadata inference): the caller turns it on around the ones that are.
         self.count_routing = True
@@ -155,7 +155,8 @@ class MoEFeedForward(nn.Module):
             out = out + self.shared(flat)
         out = out.view(b, s, d)
         if torch.is_grad_enabled():
-            aux = self._balance_loss(chosen.view(b, s, -1), scores.view(b, s, -1))
+            aux = (self._balance_loss(chosen.view(b, s, -1), scores.view(b, s, -1)) if self.args.aux_loss_coef > 0
+                   else torch.zeros((), device=x.device))  # off: nothing to compute
             if self.count_routing and not recomputing():  # activation checkpointing runs the forward again
                 self.routing.add(counts, aux)
             if self.args.aux_loss_coef > 0:
@@ -181,8 +182,7 @@ class RoutingStats:
     micro-batches; summed over replicas by the caller before use) and the balance loss per
     forward. A plain attribute, not a buffer: it is no model state and no wrapper may broadcast it."""
 
-    def __init__(self, n_experts: int):
-        self.n_experts = n_experts
+    def __init__(self):
         self.reset()
 
     def reset(self) -> None:
