@@ -187,8 +187,6 @@ def _checkpoint(args) -> int:
     from raymp.storage import fsspec_fs
 
     if args.checkpoint_command == "list":
-        from raymp.checkpoint.integrity import verify
-
         fs, inner = fsspec_fs(args.dir)
         if not fs.isdir(inner):
             raise CheckpointError(f"{args.dir} is not a directory; give a run's checkpoint.dir "
@@ -203,8 +201,8 @@ def _checkpoint(args) -> int:
             else:
                 c = e.checkpoint
                 layout, pos = c.meta["layout"], c.data_position
-                problems = verify(c)
-                state = f"damaged: {problems[0]}" if problems else "verified" if "files" in c.meta else "unverified (no checksums)"
+                problems = store.problems(c)
+                state = f"damaged: {problems[0]}" if problems else "verified"
                 print(f"{c.path}  step {c.step}  {Layout.from_record(layout).text()}  epoch {pos['epoch']} "
                       f"offset {pos['offset']}  {state}")
         if not any(e.checkpoint for e in entries):
@@ -213,20 +211,16 @@ def _checkpoint(args) -> int:
     from raymp.checkpoint.export import export, export_hf_dir
 
     path = args.checkpoint
-    fs, inner = fsspec_fs(path)
-    if not fs.exists(f"{inner}/{MARKER}"):  # a run's checkpoint dir: take its latest
-        latest = CheckpointStore(path).latest()
-        if latest is None:
-            raise CheckpointError(f"{path} is neither a committed checkpoint nor a directory holding one")
-        path = latest.path
     if args.hf:
         info = export_hf_dir(path, args.out)
-        print(f"exported step {info['step']} of {path} as a Hugging Face {info['model_type']} directory: "
-              f"{info['tensors']} tensors -> {info['path']}")
-        return 0
-    info = export(path, args.out)
-    print(f"exported step {info['step']} of {path}: {info['tensors']} tensors, "
-          f"{info['parameters'] / 1e6:.2f}M parameters, {info['bytes'] / 2**20:.1f} MiB -> {info['path']}")
+        done = f"a Hugging Face {info['model_type']} directory of {info['tensors']} tensors"
+    else:
+        info = export(path, args.out)
+        done = (f"{info['tensors']} tensors, {info['parameters'] / 1e6:.2f}M parameters, "
+                f"{info['bytes'] / 2**20:.1f} MiB")
+    for damaged in info["passed_over"]:
+        print(f"checkpoint: passed over damaged {damaged}", file=sys.stderr)
+    print(f"exported step {info['step']} of {info['source']}: {done} -> {info['path']}")
     return 0
 
 

@@ -13,6 +13,7 @@ concern to the component that owns it: the data feed (raymp.driver.feed), launch
 from __future__ import annotations
 
 import datetime as _dt
+import sys
 import uuid
 from pathlib import Path
 
@@ -94,10 +95,10 @@ class Trainer:
         check_vocab(cfg, self.feed)
         self.device = resolve_device(cfg.resources.device, lay.world_size, cfg.optimizer.cpu_offload)
         with removed_if_setup_fails(self.run_dir):
-            self.lineage = open_lineage(cfg, self.run_dir, self._log, self._resume_position)
+            self.lineage = open_lineage(cfg, self.run_dir, self._warn, self._resume_position)
             say = lambda *a: self._say(*a)  # noqa: E731 (fit() moves the printing to its progress bar)
-            launcher = Launcher(self.feed, self.lineage, self.device, say, shared_group=self._shared_group,
-                                worker_cls=self._worker_cls,
+            launcher = Launcher(self.feed, self.lineage, self.device, say, warn=self._warn,
+                                shared_group=self._shared_group, worker_cls=self._worker_cls,
                                 peer_copies=PeerCopies(cfg.elastic.peer_copy_every, cfg.resources, say))
             launcher.on_event = lambda name, info: self.on_event(name, info) if self.on_event else None
             self.session = Session(cfg, launcher, say, self.run_name, self.tracking, self._restarted)
@@ -123,6 +124,14 @@ class Trainer:
     def _log(self, *args) -> None:
         if self.progress_enabled:
             print(*args, flush=True)
+
+    def _warn(self, text: str) -> None:
+        """What a user must see whatever the progress setting (a state passed over for an older
+        one): through the progress display when it is on, else on stderr."""
+        if self.progress_enabled:
+            self._say(text)
+        else:
+            print(text, file=sys.stderr, flush=True)
 
     @property
     def tracker(self):
@@ -214,7 +223,7 @@ class Trainer:
         """Continue from a committed checkpoint (saved under any layout): weights, optimizer
         state, LR schedule and data position."""
         self.setup()
-        self.session.load(read_marker(checkpoint) if isinstance(checkpoint, str) else checkpoint, self._say)
+        self.session.load(read_marker(checkpoint) if isinstance(checkpoint, str) else checkpoint, self._warn)
         self.history = [m for m in self.history if m["step"] < self.global_step]
 
     def _restarted(self, event: dict) -> None:

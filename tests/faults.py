@@ -3,6 +3,7 @@ every scenario ends with, the ways a checkpoint gets damaged, and waiting on an 
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -76,6 +77,19 @@ def _flip_bytes_in_a_tensor(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def _edit_marker_bytes(ckpt: Path, pattern: str, change) -> None:
+    """Change the marker's bytes where `pattern` first matches (no re-serialisation: what a
+    flipped byte on storage does)."""
+    text = (ckpt / "raymp.json").read_text()
+    found = re.search(pattern, text)
+    assert found, f"{pattern} not in the marker"
+    (ckpt / "raymp.json").write_text(text[:found.start()] + change(found.group(0)) + text[found.end():])
+
+
+def _flip_last_digit(text: str) -> str:
+    return text[:-1] + str((int(text[-1]) + 1) % 10)
+
+
 def _largest_shard(ckpt: Path) -> Path:
     return max(ckpt.glob("*.distcp"), key=lambda p: p.stat().st_size)
 
@@ -86,6 +100,10 @@ DAMAGE = {
     "missing metadata": lambda ckpt: (ckpt / ".metadata").unlink(),
     "deleted shard": lambda ckpt: _largest_shard(ckpt).unlink(),
     "half-written marker": lambda ckpt: _truncate(ckpt / "raymp.json"),
+    # One byte of the marker: its file list's name (verification would be off without the
+    # marker's own checksum), a digit of its data position (it would resume on other samples).
+    "marker file list renamed": lambda ckpt: _edit_marker_bytes(ckpt, '"files"', lambda t: '"filez"'),
+    "marker data position changed": lambda ckpt: _edit_marker_bytes(ckpt, r'"offset": \d+', _flip_last_digit),
 }
 
 

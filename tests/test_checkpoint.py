@@ -94,12 +94,20 @@ def test_checkpoint_dir_layout_and_keep_last(saved):
 
 
 def test_store_commits_atomically_prunes_and_ignores_unfinished(tmp_path):
+    from raymp.checkpoint.integrity import directory_files
+
     store = CheckpointStore(f"file://{tmp_path}/ck", keep_last=2)  # a URI: the fsspec path
+
+    def written(step):  # what a save writes: the ranks' shards and DCP's index, hashed
+        path = store.prepare(step)
+        for name in ("__0_0.distcp", ".metadata"):
+            (tmp_path / "ck" / f"step-{step:08d}" / name).write_text(f"{name} of {step}")
+        return directory_files(path)
+
     for step in (2, 4, 6):
-        store.prepare(step)
-        (tmp_path / "ck" / f"step-{step:08d}" / "shard").write_text("x")
+        files = written(step)
         assert store.latest() is None or store.latest().step < step  # not committed yet
-        store.commit(step, {"data_position": {"step": step}})
+        store.commit(step, {"data_position": {"step": step}}, files)
     assert [c.step for c in store.committed()] == [4, 6]  # step 2 pruned
     store.prepare(8)  # a write that never finishes
     (tmp_path / "ck" / "step-00000008" / "shard").write_text("half")
@@ -108,8 +116,7 @@ def test_store_commits_atomically_prunes_and_ignores_unfinished(tmp_path):
         read_marker(f"{tmp_path}/ck/step-00000008")
     assert not list((tmp_path / "ck" / "step-00000006").glob("*.tmp"))
     assert json.loads((tmp_path / "ck" / "step-00000006" / MARKER).read_text())["step"] == 6
-    store.prepare(10)
-    store.commit(10, {})
+    store.commit(10, {}, written(10))
     # Committed 6 and 10 kept; unfinished 8 (older than the newest commit) deleted.
     assert [name for name in sorted(os.listdir(tmp_path / "ck"))] == ["step-00000006", "step-00000010"]
 
@@ -310,3 +317,23 @@ def test_auto_resume_continues_the_mlflow_run_a_path_starts_a_new_one(data_cache
         assert t.setup().global_step == 2
         assert t.tracker.run_id != first and not t.tracker.resumed
         assert client.get_run(t.tracker.run_id).data.tags["raymp.resumed_from"].endswith("step-00000002")
+
+
+def test_a_marker_changed_after_its_commit_is_never_read(tmp_path):
+    """The marker carries a checksum of its own content: a changed data position (re-serialised
+    whole, so the JSON still reads) or a marker without the checksum is damaged."""
+    from raymp.checkpoint.store import MARKER_DIGEST
+
+    store = CheckpointStore(str(tmp_path / "ck"))
+    store.prepare(2)
+    store.commit(2, {"data_position": {"epoch": 0, "offset": 16}})
+    marker = tmp_path / "ck" / "step-00000002" / MARKER
+    meta = json.loads(marker.read_text())
+    assert read_marker(str(marker.parent)).data_position["offset"] == 16
+    marker.write_text(json.dumps({**meta, "data_position": {"epoch": 0, "offset": 17}}))
+    with pytest.raises(CheckpointError, match="does not match its checksum"):
+        read_marker(str(marker.parent))
+    marker.write_text(json.dumps({k: v for k, v in meta.items() if k != MARKER_DIGEST}))
+    with pytest.raises(CheckpointError, match="carries no checksum of its own"):
+        read_marker(str(marker.parent))
+    assert [e.problem is not None for e in store.scan()] == [True]

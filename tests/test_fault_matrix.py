@@ -51,12 +51,12 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(damage, saved, ref
                                                               capsys):
     ckpt = copy_checkpoints(saved["dir"], tmp_path / "checkpoints")
     DAMAGE[damage](ckpt / "step-00000006")
-    with Trainer(matrix_cfg(tmp_path, data_cache, ckpt), actor_group=group2) as t:
+    with Trainer(matrix_cfg(tmp_path, data_cache, ckpt), actor_group=group2, progress=False) as t:
         assert t.setup().global_step == 4  # the previous committed checkpoint, not scratch
         rest = t.fit()
     check_against_reference(rest, ref, range(4, STEPS))
-    out = capsys.readouterr().out
-    assert "step 6" in out and "damaged" in out, out[-2000:]
+    err = capsys.readouterr().err  # said with the progress display off too
+    assert "step 6" in err and "damaged" in err, err[-2000:]
 
 
 @pytest.mark.timeout(240)
@@ -80,6 +80,49 @@ def test_checkpoint_list_shows_damaged_ones_and_never_crashes(saved, tmp_path):
     assert any("step-00000006" in line and "damaged" in line and "marker" in line for line in lines), out.stdout
     assert any("step-00000004" in line and "damaged" in line and "checksum" in line for line in lines), out.stdout
     assert any("step-00000002" in line and "step 2" in line and "damaged" not in line for line in lines)
+
+
+@pytest.mark.timeout(120)
+def test_export_verifies_and_never_takes_a_damaged_checkpoint_silently(saved, tmp_path):
+    ckpt = copy_checkpoints(saved["dir"], tmp_path / "checkpoints")
+    DAMAGE["bytes flipped inside a tensor"](ckpt / "step-00000006")
+    DAMAGE["marker data position changed"](ckpt / "step-00000004")
+    export = [sys.executable, "-m", "raymp.cli", "checkpoint", "export"]
+    out = subprocess.run(export + [str(ckpt / "step-00000006"), "--out", str(tmp_path / "six.safetensors")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "step-00000006 is damaged" in out.stderr and "not exported" in out.stderr, out.stderr
+    assert not (tmp_path / "six.safetensors").exists()
+    out = subprocess.run(export + [str(ckpt), "--out", str(tmp_path / "newest.safetensors")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "exported step 2 " in out.stdout, out.stdout  # the newest intact one
+    passed = [line for line in out.stderr.splitlines() if "passed over" in line]
+    assert len(passed) == 2 and "step 6" in passed[0] and "step 4" in passed[1], out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_pruning_never_deletes_an_intact_checkpoint_while_keeping_a_damaged_one(saved, tmp_path):
+    """keep_last=2 with the newest damaged: the next commit keeps it and the intact one before
+    it; one more deletes both old ones."""
+    from raymp.checkpoint.integrity import directory_files
+
+    ckpt = copy_checkpoints(saved["dir"], tmp_path / "checkpoints")
+    store = CheckpointStore(str(ckpt), keep_last=2)
+    DAMAGE["bytes flipped inside a tensor"](ckpt / "step-00000006")
+    template = json.loads((ckpt / "step-00000006" / "raymp.json").read_text())
+    shards = copy_checkpoints(ckpt / "step-00000002", tmp_path / "shards")  # intact files for new commits
+    for step in (8, 10):
+        path = Path(store.prepare(step))
+        for f in shards.iterdir():
+            if f.name != "raymp.json":
+                (path / f.name).write_bytes(f.read_bytes())
+        meta = {k: v for k, v in template.items() if k not in ("step", "files", "marker_sha256", "committed_at")}
+        store.commit(step, meta, directory_files(str(path)))
+        kept = sorted(p.name for p in ckpt.iterdir())
+        if step == 8:  # 8 and 4 are the two intact ones kept; damaged 6 between them stays
+            assert kept == ["step-00000004", "step-00000006", "step-00000008"], kept
+    assert kept == ["step-00000008", "step-00000010"], kept
 
 
 # -- storage that fails --------------------------------------------------------------------------

@@ -216,7 +216,7 @@ def test_submit_follow_stop_and_check_mlflow(ray_head, tmp_path, data_cache):
 
     assert set(runs) == {"FINISHED", "KILLED"}, (runs.keys(), ray_cli(env, "job", "logs", "raymp-stop").stdout[-3000:])
     # The stopped job kept a committed checkpoint, whole (it exports), tied to its MLflow run.
-    from raymp.checkpoint.export import consolidated_weights
+    from raymp.checkpoint.export import consolidated_weights, intact_checkpoint
     from raymp.checkpoint.store import CheckpointStore
 
     kept = CheckpointStore(str(ckpt)).latest()
@@ -225,7 +225,7 @@ def test_submit_follow_stop_and_check_mlflow(ray_head, tmp_path, data_cache):
     written = [d.name for d in ckpt.iterdir() if (d / ".metadata").exists()]
     assert all((ckpt / name / "raymp.json").exists() for name in written), written
     assert kept.meta["mlflow"]["run_id"] == runs["KILLED"].info.run_id
-    weights, _ = consolidated_weights(kept.path)
+    weights = consolidated_weights(intact_checkpoint(kept.path)[0])  # verifies first
     assert "tok_embeddings.weight" in weights
     finished = runs["FINISHED"]
     assert len(client.get_metric_history(finished.info.run_id, "loss")) == 6

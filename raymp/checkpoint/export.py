@@ -2,7 +2,9 @@
 model (`tok_embeddings.weight`, `layers.0.attention.wq.weight`, ...), for use outside raymp.
 
 Runs in one process without a process group or Ray: DCP reads each saved shard into its place in
-the full tensors. Only the model's entries are read, never the optimizer's (twice the size).
+the full tensors. Only the model's entries are read, never the optimizer's (twice the size). What
+is exported was verified first: a damaged checkpoint is refused, and given a run's checkpoint
+directory the newest intact one is taken, the damaged ones passed over named.
 """
 
 from __future__ import annotations
@@ -17,14 +19,39 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from raymp.checkpoint.rank_state import EMBEDDING, TIED_HEAD
-from raymp.checkpoint.store import CheckpointError, read_marker, storage_reader
+from raymp.checkpoint.store import MARKER, Checkpoint, CheckpointError, CheckpointStore, read_marker, storage_reader
+from raymp.checkpoint.integrity import verify
 from raymp.layout import Layout
 from raymp.models.hf import export_hf, load_hf_config
+from raymp.storage import fsspec_fs
 
 
-def consolidated_weights(path: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """(full weights by name, the checkpoint's marker) of the committed checkpoint at `path`."""
-    checkpoint = read_marker(path)  # refuses a checkpoint whose write never finished
+def intact_checkpoint(path: str) -> tuple[Checkpoint, list[str]]:
+    """(the checkpoint to export, the damaged ones passed over): `path` itself when it is a
+    committed checkpoint, which must verify; else the newest intact one in the directory."""
+    fs, inner = fsspec_fs(path)
+    if fs.exists(f"{inner}/{MARKER}"):
+        checkpoint = read_marker(path)  # refuses a marker that was changed after the commit
+        if problems := verify(checkpoint.path, checkpoint.meta):
+            raise CheckpointError(f"checkpoint {path} is damaged ({problems[0]}); it is not exported. "
+                                  f"`raymp checkpoint list {path.rstrip('/').rsplit('/', 1)[0]}` shows the intact ones")
+        return checkpoint, []
+    store = CheckpointStore(path)
+    passed_over = []
+    for entry in reversed(store.scan()):
+        if entry.problem:
+            passed_over.append(f"step {entry.step} ({entry.problem})")
+        elif entry.checkpoint is not None:
+            if not (problems := store.problems(entry.checkpoint)):
+                return entry.checkpoint, passed_over
+            passed_over.append(f"step {entry.step} ({problems[0]})")
+    found = f": every committed one is damaged: {'; '.join(passed_over)}" if passed_over else ""
+    raise CheckpointError(f"{path} is neither a committed checkpoint nor a directory holding an intact one{found}")
+
+
+def consolidated_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
+    """The full weights by name of a committed (and verified) checkpoint."""
+    path = checkpoint.path
     reader = storage_reader(path)
     saved = reader.read_metadata().state_dict_metadata
     sd = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
@@ -40,13 +67,15 @@ def consolidated_weights(path: str) -> tuple[dict[str, torch.Tensor], dict]:
     if checkpoint.meta["config"]["model"].get("tie_embeddings") and TIED_HEAD not in weights:
         # Saved once as the embedding; the plain model's state dict lists the head too.
         weights[TIED_HEAD] = weights[EMBEDDING].clone()
-    return weights, checkpoint.meta
+    return weights
 
 
 def export(path: str, out: str) -> dict:
-    """Write the weights to `out`: .safetensors (default) or .pt/.pth (torch.save). Written to a
+    """Write the weights of the checkpoint at `path` (or the newest intact one of a checkpoint
+    directory) to `out`: .safetensors (default) or .pt/.pth (torch.save). Written to a
     temporary name and renamed, so `out` is never half a file. Returns a short description."""
-    weights, meta = consolidated_weights(path)
+    checkpoint, passed_over = intact_checkpoint(path)
+    weights, meta = consolidated_weights(checkpoint), checkpoint.meta
     out_path = Path(out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".tmp")
@@ -64,14 +93,15 @@ def export(path: str, out: str) -> dict:
     tied = bool(meta["config"]["model"].get("tie_embeddings"))
     params = sum(v.numel() for v in weights.values()) - (weights[TIED_HEAD].numel() if tied else 0)
     return {"path": str(out_path), "tensors": len(weights), "step": meta["step"], "parameters": params,
-            "bytes": out_path.stat().st_size}
+            "bytes": out_path.stat().st_size, "source": checkpoint.path, "passed_over": passed_over}
 
 
 def export_hf_dir(path: str, out: str) -> dict:
     """Write a checkpoint of a Hugging Face model (model.hf / model.hf_config) as a Hugging Face
     directory: config.json + model.safetensors, which `from_pretrained` loads. Written beside
-    `out` and renamed into place, so `out` is never half a model."""
-    weights, meta = consolidated_weights(path)
+    `out` and renamed into place, so `out` is never half a model. `path` as for export()."""
+    checkpoint, passed_over = intact_checkpoint(path)
+    weights, meta = consolidated_weights(checkpoint), checkpoint.meta
     model = meta["config"]["model"]
     if model.get("hf") is None and model.get("hf_config") is None:
         raise CheckpointError(f"checkpoint {path} is of the built-in model, not a Hugging Face one; "
@@ -85,4 +115,4 @@ def export_hf_dir(path: str, out: str) -> dict:
         shutil.rmtree(out_path)
     os.replace(tmp, out_path)
     return {"path": str(out_path), "tensors": len(weights), "step": meta["step"],
-            "model_type": hf_config.model_type}
+            "model_type": hf_config.model_type, "source": checkpoint.path, "passed_over": passed_over}

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 
-from raymp.checkpoint.store import Checkpoint
 from raymp.storage import fsspec_fs
 
 INDEX = ".metadata"
@@ -73,11 +72,18 @@ def shares(files: dict[str, str], world_size: int) -> list[dict[str, str]]:
     return out
 
 
-def verify(checkpoint: Checkpoint) -> list[str]:
-    """What is wrong with a committed checkpoint's files, read from the driver (empty: intact).
-    Checkpoints committed before markers carried checksums are checked for DCP's index only."""
-    files = checkpoint.meta.get("files")
-    if files is None:
-        fs, root = fsspec_fs(checkpoint.path)
-        return [] if fs.exists(f"{root}/{INDEX}") else [f"{INDEX} is missing"]
-    return verify_files(checkpoint.path, files)
+NO_CHECKSUMS = "its marker lists no checksums of its files (it cannot be verified, so it is never loaded)"
+
+
+def listed_files(marker: dict) -> dict[str, str] | None:
+    """{file name: sha256} a commit marker lists; None when it lists none (nothing can be
+    verified), or a list without DCP's index."""
+    files = marker.get("files")
+    return files if isinstance(files, dict) and INDEX in files else None
+
+
+def verify(path: str, marker: dict) -> list[str]:
+    """What is wrong with the files of the committed checkpoint at `path` whose marker is
+    `marker`, read from the driver (empty: intact)."""
+    files = listed_files(marker)
+    return [NO_CHECKSUMS] if files is None else verify_files(path, files)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ray
 
-from raymp.checkpoint.integrity import shares, verify
+from raymp.checkpoint.integrity import NO_CHECKSUMS, listed_files, shares
 from raymp.checkpoint.store import Checkpoint, CheckpointError
 
 SETUP_KNOB = "resources.setup_timeout_s"
@@ -20,9 +20,9 @@ COLLECTIVE_KNOB = "resources.collective_timeout_s"  # a wait on the ranks' colle
 
 def verify_on_ranks(group, checkpoint: Checkpoint, timeout_s: float | None) -> list[str]:
     """Problems with the checkpoint's files; the ranks read a share each."""
-    files = checkpoint.meta.get("files")
+    files = listed_files(checkpoint.meta)
     if files is None:
-        return verify(checkpoint)  # committed before markers had checksums: the index only
+        return [NO_CHECKSUMS]
     per_rank = [(checkpoint.path, share) for share in shares(files, group.world_size)]
     found = group.call_per_rank("verify_checkpoint", per_rank, timeout_s=timeout_s, knob=SETUP_KNOB)
     return [problem for rank_problems in found for problem in rank_problems]

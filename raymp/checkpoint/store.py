@@ -4,17 +4,22 @@ file that the driver writes last, after every rank's shards are on storage.
     <dir>/step-00000040/__0_0.distcp ...   the ranks' shards (torch.distributed.checkpoint)
     <dir>/step-00000040/.metadata          DCP's index, written by its coordinator
     <dir>/step-00000040/raymp.json         the commit marker: step, data position, layout, run,
-                                           lineage, and a sha256 of every file above
+                                           lineage, a sha256 of every file above, and a sha256
+                                           of the marker's own content
 
 A directory without raymp.json is a write that never finished (a crash, a lost node, a killed
 job): it is never loaded, and is deleted by the next prune. The marker itself is written to a
-temporary name and renamed, so it is either whole or absent.
+temporary name and renamed, so it is either whole or absent; its own checksum makes a marker
+changed after the commit damaged, as a changed shard is (without it, one flipped byte in the
+name of its file list would turn verification off, and one flipped digit in its data position
+would resume on other samples).
 
 Storage is a local or shared path, or any fsspec URI (s3://, gs://, file://, ...).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import time
@@ -22,10 +27,12 @@ from dataclasses import dataclass
 
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
+from raymp.checkpoint.integrity import verify
 from raymp.storage import fsspec_fs, is_uri
 from raymp.torch_compat import fsspec_storage_reader, fsspec_storage_writer
 
 MARKER = "raymp.json"
+MARKER_DIGEST = "marker_sha256"  # the marker's checksum of the rest of its content
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -61,8 +68,15 @@ class Checkpoint:
         return self.meta["data_position"]
 
 
+def marker_digest(meta: dict) -> str:
+    """sha256 of a marker's content (its own checksum left out), in one canonical form."""
+    body = {k: v for k, v in meta.items() if k != MARKER_DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def read_marker(path: str) -> Checkpoint:
-    """The committed checkpoint at `path`; CheckpointError if it was never committed."""
+    """The committed checkpoint at `path`; CheckpointError if it was never committed or its
+    marker is not what was committed (unreadable, or its content does not match its checksum)."""
     fs, root = fsspec_fs(path)
     marker = f"{root.rstrip('/')}/{MARKER}"
     if not fs.exists(marker):
@@ -71,10 +85,15 @@ def read_marker(path: str) -> Checkpoint:
     try:
         with fs.open(marker, "r") as f:
             meta = json.load(f)
-        return Checkpoint(str(path), int(meta["step"]), meta)
+        step = int(meta["step"])
     except (ValueError, KeyError, TypeError, OSError) as exc:
         raise CheckpointError(f"checkpoint {path}: its commit marker {MARKER} is damaged "
                               f"({type(exc).__name__}: {exc}); it is never loaded") from exc
+    if meta.get(MARKER_DIGEST) != marker_digest(meta):
+        why = ("does not match its checksum (changed after the commit)" if MARKER_DIGEST in meta
+               else "carries no checksum of its own (damaged, or written by an earlier raymp build)")
+        raise CheckpointError(f"checkpoint {path}: its commit marker {MARKER} {why}; it is never loaded")
+    return Checkpoint(str(path), step, meta)
 
 
 @dataclass(frozen=True)
@@ -94,6 +113,7 @@ class CheckpointStore:
         self.root = str(root).rstrip("/")
         self.keep_last = keep_last
         self.fs, self._root = fsspec_fs(self.root)
+        self._verified: dict[str, tuple[tuple, list[str]]] = {}  # path -> (file signature, problems)
 
     def path_for(self, step: int) -> str:
         return f"{self.root}/step-{step:08d}"
@@ -198,25 +218,56 @@ class CheckpointStore:
         meta = {"step": step, "committed_at": time.time(), **meta}
         if files is not None:
             meta["files"] = files
+        meta[MARKER_DIGEST] = marker_digest(meta)
         tmp = f"{inner}/{MARKER}.tmp"
         with self.fs.open(tmp, "w") as f:
             json.dump(meta, f, indent=1, sort_keys=True)
         self.fs.mv(tmp, f"{inner}/{MARKER}")
+        checkpoint = Checkpoint(path, step, meta)
+        if files is not None:  # the ranks hashed these files as they wrote them
+            self._verified[path] = (self._file_signature(path), [])
         self.prune()
-        return Checkpoint(path, step, meta)
+        return checkpoint
 
     def prune(self) -> list[str]:
-        """Delete committed checkpoints beyond the newest keep_last, and unfinished writes older
-        than the newest committed one (a newer unfinished one may still be in flight)."""
-        entries = self._entries()
-        done = [step for step, _, ok in entries if ok]
-        keep = set(done[-self.keep_last:])
-        newest = done[-1] if done else -1
+        """Delete what keep_last no longer keeps: the newest keep_last *intact* checkpoints are
+        kept with every damaged one newer than them (a damaged checkpoint never takes an intact
+        one's place), everything older goes, and so do unfinished writes older than the newest
+        committed one (a newer unfinished one may still be in flight)."""
+        entries = self.scan()
+        done = [e for e in entries if e.checkpoint is not None or e.problem]
+        newest = done[-1].step if done else -1
+        keep, intact = set(), 0
+        for e in reversed(done):
+            if intact >= self.keep_last:
+                break
+            keep.add(e.step)
+            intact += e.checkpoint is not None and not self.problems(e.checkpoint)
         removed = []
-        for step, name, ok in entries:
-            if (ok and step not in keep) or (not ok and step < newest):
-                if ok:  # uncommit first: a prune cut short must not leave a marker over missing shards
+        for e in entries:
+            committed = e.checkpoint is not None or e.problem is not None
+            if (committed and e.step not in keep) or (not committed and e.step < newest):
+                name = e.path.rsplit("/", 1)[-1]
+                if committed:  # uncommit first: a prune cut short must not leave a marker over missing shards
                     self.fs.rm(f"{self._root}/{name}/{MARKER}")
                 self.fs.rm(f"{self._root}/{name}", recursive=True)
                 removed.append(name)
         return removed
+
+    def problems(self, checkpoint: Checkpoint) -> list[str]:
+        """What is wrong with a committed checkpoint's files (empty: intact). Verified again only
+        when its files changed since this store last verified or committed it (names, sizes,
+        modification times), so a prune reads no checkpoint it has seen unchanged: a write that
+        damaged one is seen; media that rot a byte without a write are caught at the load."""
+        seen = self._file_signature(checkpoint.path)
+        if (cached := self._verified.get(checkpoint.path)) is not None and cached[0] == seen:
+            return cached[1]
+        found = verify(checkpoint.path, checkpoint.meta)
+        self._verified[checkpoint.path] = (seen, found)
+        return found
+
+    def _file_signature(self, path: str) -> tuple:
+        _, inner = fsspec_fs(path)
+        return tuple(sorted((info["name"].rsplit("/", 1)[-1], info.get("size"),
+                             str(info.get("mtime") or info.get("LastModified") or info.get("updated")))
+                            for info in self.fs.ls(inner, detail=True)))

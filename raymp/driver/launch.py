@@ -59,9 +59,12 @@ class Launched:
 class Launcher:
     """Builds (or reuses) the actor group for a layout and brings it to the run's state."""
 
-    def __init__(self, feed: DataFeed, lineage, device: str, say, *, shared_group: ActorGroup | None = None,
-                 worker_cls: type | None = None, peer_copies: PeerCopies | None = None):
-        self.feed, self.lineage, self.device, self.say = feed, lineage, device, say
+    def __init__(self, feed: DataFeed, lineage, device: str, say, *, warn=None,
+                 shared_group: ActorGroup | None = None, worker_cls: type | None = None,
+                 peer_copies: PeerCopies | None = None):
+        """`say` prints progress notes; `warn` what is said whatever the progress setting (a
+        damaged checkpoint passed over)."""
+        self.feed, self.lineage, self.device, self.say, self.warn = feed, lineage, device, say, warn or say
         self.shared_group, self.worker_cls = shared_group, worker_cls
         self.peer_copies = peer_copies or PeerCopies(0, None, say)  # elastic.peer_copy_every
         self.on_event = None  # Trainer.on_event, for "placed"
@@ -116,7 +119,7 @@ class Launcher:
             infos = set_up()
             on_disk = self.lineage.candidates()
             restored = (self.peer_copies.restore(group, on_disk[0].step if on_disk else None, set_up)
-                        or restore_newest_intact(group, on_disk, set_up, self.say, r.setup_timeout_s))
+                        or restore_newest_intact(group, on_disk, set_up, self.warn, r.setup_timeout_s))
             if restored is not None:
                 position = restored.data_position
             start = feed.checked(position, cfg.train.steps) if position is not None else feed.first_position()

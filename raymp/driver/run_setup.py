@@ -61,7 +61,9 @@ def removed_if_setup_fails(run_dir: str):
 
 
 def open_lineage(cfg: RunConfig, run_dir: str, log, data_position=None) -> Lineage:
-    """The checkpoint.dir's lineage; `data_position` (a start without a checkpoint) only when it has none."""
+    """The checkpoint.dir's lineage; `data_position` (a start without a checkpoint) only when it has
+    none. `log` says what is passed over (damaged, or abandoned by a rewind): whatever the progress
+    setting, so the caller's must always print."""
     storage.make_dirs(run_dir)
     store = CheckpointStore(cfg.checkpoint.dir or storage.join(run_dir, "checkpoints"), cfg.checkpoint.keep_last)
     if cfg.checkpoint.every:
