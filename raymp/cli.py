@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
 # The errors that end a command with one line and exit status 2, by where they are defined.
 _USER_ERRORS = (("raymp.config.schema", "ConfigError"), ("raymp.data", "DataError"),
                 ("raymp.runtime.actor_group", "PlacementError"), ("raymp.runtime.actor_group", "WorkerLostError"),
-                ("raymp.elastic", "ElasticError"), ("raymp.checkpoint.store", "CheckpointError"))
+                ("raymp.elastic", "ElasticError"), ("raymp.checkpoint.store", "CheckpointError"),
+                ("raymp.driver.health", "NonFiniteError"))
 
 
 def _user_errors() -> tuple[type, ...]:

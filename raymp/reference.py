@@ -13,19 +13,21 @@ from raymp.data import TrainOrder, load_dataset
 from raymp.loss import lm_loss
 from raymp.models import build_model, model_spec
 from raymp.models.masks import document_eot, mask_kwargs
-from raymp.models.moe import finish_routing, moe_blocks, set_aux_grad_scale
+from raymp.models.moe import finish_routing, moe_blocks, reset_routing, set_aux_grad_scale
 from raymp.optim import build_optimizer, build_scheduler
 from raymp.parallel.pipeline import autocast_context
 
 
 def train_single_process(cfg: RunConfig, steps: int | None = None, device: str | torch.device = "cpu",
                          step_done: Callable[[int], None] | None = None,
-                         routing: list | None = None) -> tuple[list[float], dict]:
+                         routing: list | None = None, skip_updates: frozenset[int] = frozenset(),
+                         ) -> tuple[list[float], dict]:
     """Returns (loss per step, final state dict). Each step averages the loss over the whole
     global batch, processed in chunks of micro_batch_size (memory only; the math is the same).
     `device` and `step_done(step)` (called after each optimizer step) let the GPU check time
     this loop as its yardstick; `routing`, if given, gets each step's MoE routing
-    (raymp.models.moe.finish_routing)."""
+    (raymp.models.moe.finish_routing). The steps in `skip_updates` apply no update, as a
+    distributed run passes over a non-finite step (raymp.driver.health): the LR schedule moves on."""
     data, order = dataset_and_order(cfg)
     device = torch.device(device)
     model = build_model(model_spec(cfg.model, data.vocab_size, cfg.seed), cfg.seed, device)
@@ -50,8 +52,12 @@ def train_single_process(cfg: RunConfig, steps: int | None = None, device: str |
             total += loss.item()
         if cfg.optimizer.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.grad_clip)
-        optimizer.step()
-        step_routing = finish_routing(blocks)
+        if step in skip_updates:
+            reset_routing(blocks)
+            step_routing = {}
+        else:
+            optimizer.step()
+            step_routing = finish_routing(blocks)
         if routing is not None:
             routing.append(step_routing)
         scheduler.step()

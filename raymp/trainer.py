@@ -24,6 +24,7 @@ from raymp.checkpoint.store import Checkpoint, read_marker
 from raymp.config import RunConfig, resolved_dict
 from raymp.data import DataPosition
 from raymp.driver.feed import DataFeed
+from raymp.driver.health import NonFinitePolicy
 from raymp.driver.launch import Launcher, as_config, check_vocab, num_params
 from raymp.driver.run_setup import check_destinations, open_lineage, removed_if_setup_fails, said_resume
 from raymp.driver.session import Session
@@ -59,6 +60,7 @@ class Trainer:
         # which waits for it: scripted faults (tests, local_cluster.py) happen at an exact point.
         self.on_event = None
         self._say = self._log
+        self.health = NonFinitePolicy(self.config.train, self._warn)
         self.last_pipeline_events, self._last_pipeline_step = None, None  # the last step's, for timeline()
 
     @property
@@ -171,6 +173,7 @@ class Trainer:
         if eval_due:
             metrics["val_loss"] = self.evaluate()
         self.history.append(metrics)
+        self.health.after_step(metrics)  # before a save starts: a run that stops saves nothing more
         if self.session.after_step(reports, self.global_step, metrics, self.elastic.grows_at_checkpoint):
             self.elastic.grow()  # from the checkpoint just committed
         self.tracking.on_step(metrics)

@@ -39,13 +39,13 @@ class Reference:
     sample_ids: list[list[int]]
 
     @classmethod
-    def of(cls, cfg: dict, steps: int = STEPS) -> "Reference":
+    def of(cls, cfg: dict, steps: int = STEPS, skip_updates: frozenset[int] = frozenset()) -> "Reference":
         from raymp.config import config_from_dict
         from raymp.data import TrainOrder, load_dataset
         from raymp.reference import train_single_process
 
         run = config_from_dict(cfg)
-        losses, _ = train_single_process(run, steps)
+        losses, _ = train_single_process(run, steps, skip_updates=skip_updates)
         data = load_dataset(run.data, run.train.seq_len, log=lambda *_: None)
         order = TrainOrder(data.num_samples, run.data.val_fraction, run.seed, run.train.global_batch_size)
         return cls(losses, [order.batch(s).tolist() for s in range(steps)])

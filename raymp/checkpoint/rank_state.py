@@ -120,6 +120,18 @@ def save_state(program, engine, scheduler, rank: int) -> dict:
     return sd
 
 
+def nonfinite_entries(sd: dict) -> list[str]:
+    """Keys of the floating-point tensors of a host-copied state dict that hold a NaN or an inf:
+    such a state is never committed (checked in the background, after the write)."""
+    bad = []
+    for key, value in sd.items():
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        if torch.is_tensor(value) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            bad.append(key)
+    return bad
+
+
 class AlreadyStaged:
     """An AsyncStager that hands the state dict on as it is: save_state() has made the host copy,
     and DCP's default stager would make a second one."""
@@ -174,6 +186,10 @@ class RankCheckpointer:
         def hash_files(written: Future) -> None:
             try:
                 written.result()
+                if bad := nonfinite_entries(sd):
+                    raise CheckpointError(f"the state holds non-finite values ({', '.join(bad[:3])}"
+                                          + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+                                          + "): a checkpoint of it is never committed")
                 done.set_result(rank_files(path, self.rank))
             except BaseException as exc:  # torch's CheckpointException is a BaseException
                 done.set_exception(_as_error(exc))

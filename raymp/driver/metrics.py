@@ -17,7 +17,7 @@ from raymp.runtime.report import RankReport
 LOGGED = ("loss", "val_loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "data_wait_s",
           "data_wait_fraction", "bubble_fraction", "bubble_fraction_theory", "checkpoint_blocked_s",
           "model_tflops_per_device", "mfu", "restarts", "moe_aux_loss", "moe_imbalance_max",
-          "moe_dropped_tokens")
+          "moe_dropped_tokens", "update_skipped")
 
 
 def step_metrics(step: int, reports: list[RankReport], layout: Layout, cfg: RunConfig, step_time: float,

@@ -12,7 +12,7 @@ import numpy as np
 class RankReport:
     rank: int
     loss: float | None  # last pipeline stages only
-    grad_norm: float
+    grad_norm: float  # over every rank's gradients; not finite: the step's update was not applied
     lr: float
     compute_s: float
     data_wait_s: float

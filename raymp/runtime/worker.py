@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import socket
 import time
@@ -254,8 +255,12 @@ class Worker(CheckpointCalls):
         grad_norm = self.engine.clip_grad_norm(
             self.cfg.optimizer.grad_clip, p.layout.data_parallel_size * p.tp, self.program.counted_elsewhere
         )
-        self.engine.optimizer.step()
-        routing = finish_expert_step(self.program.moe_blocks, self.program.mesh["data"])
+        if math.isfinite(grad_norm):  # the same global norm on every rank: all apply, or none
+            self.engine.optimizer.step()
+            routing = finish_expert_step(self.program.moe_blocks, self.program.mesh["data"])
+        else:  # never applied (train.on_nonfinite): the state stays the last good one
+            routing = {}
+            reset_routing(self.program.moe_blocks)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         if measure:  # between optimizer.step() and zero_grad(): every kind of state exists

@@ -155,3 +155,29 @@ class HoldsBackPeerCopyWorker(Worker):
         if self.rank == 1 and step == 3:
             threading.Event().wait()
         return super().finish_peer_copy(step)
+
+
+class NonFiniteGradientWorker(Worker):
+    """Rank `rank` turns one of its gradients to NaN after the backward of the armed steps, as
+    an overflow would: the global gradient norm is then NaN on every rank."""
+
+    def arm_nonfinite(self, steps: list[int], rank: int) -> None:
+        self._poisoned_steps = set(steps) if self.rank == rank else set()
+
+    def _train_step(self, step: int):
+        if step not in getattr(self, "_poisoned_steps", ()):
+            return super()._train_step(step)
+        program = self.program
+        forward_backward = program.forward_backward
+
+        def poisoned(tokens):
+            out = forward_backward(tokens)
+            grad = next(p.grad for p in self.engine.optimizer_params() if p.grad is not None)
+            grad.mul_(float("nan"))
+            return out
+
+        program.forward_backward = poisoned
+        try:
+            return super()._train_step(step)
+        finally:
+            del program.forward_backward

@@ -1,0 +1,51 @@
+"""Training health: what the run does after a step whose gradients were not finite.
+
+The ranks decide the step itself: the gradient norm is one all-reduce over every rank's
+gradients, so every rank sees the same value and, when it is not finite, none applies the update
+(a NaN or inf loss on any rank reaches the norm through backward). The state stays the last good
+one, so no checkpoint or peer copy can hold what the step would have made. The LR schedule moves
+on, so the step counts as a step whose batch was passed over (the one-process reference skips the
+same batch the same way). What happens next is the policy's (`train.on_nonfinite`): go on, or stop,
+and stop anyway after `train.nonfinite_limit` such steps in a row (a diverged run).
+"""
+
+from __future__ import annotations
+
+import math
+
+from raymp.config.schema import TrainingConfig
+
+
+class NonFiniteError(RuntimeError):
+    """The run stopped on non-finite steps; the message says which and what to change."""
+
+
+class NonFinitePolicy:
+    """Counts non-finite steps and says, or stops, as train.on_nonfinite asks."""
+
+    def __init__(self, train: TrainingConfig, warn):
+        self.on_nonfinite, self.limit, self.warn = train.on_nonfinite, train.nonfinite_limit, warn
+        self.in_a_row = 0
+        self.skipped: list[int] = []  # the steps whose update was not applied
+
+    def after_step(self, metrics: dict) -> None:
+        """Mark the step's metrics (`update_skipped`) and act on a non-finite one: a line
+        always; NonFiniteError when the policy or the limit says stop."""
+        finite = math.isfinite(metrics["grad_norm"])
+        metrics["update_skipped"] = 0 if finite else 1
+        if finite:
+            self.in_a_row = 0
+            return
+        step = metrics["step"]
+        self.skipped.append(step)
+        self.in_a_row += 1
+        what = f"step {step}: the gradient norm is {metrics['grad_norm']} (loss {metrics['loss']:.4g})"
+        if self.on_nonfinite == "stop":
+            raise NonFiniteError(f"{what}; its update was not applied and the run stops "
+                                 "(train.on_nonfinite=stop; 'skip' passes such a batch over)")
+        if self.in_a_row >= self.limit:
+            raise NonFiniteError(
+                f"{what}: {self.in_a_row} non-finite steps in a row (train.nonfinite_limit={self.limit}): "
+                "the training diverged and the run stops with its last good state; lower optimizer.lr "
+                "or resume from an earlier checkpoint")
+        self.warn(f"{what}; its update was not applied, the batch is passed over (train.on_nonfinite=skip)")

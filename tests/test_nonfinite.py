@@ -1,0 +1,93 @@
+"""Training health: a step whose gradients are not finite (a NaN turned in on one rank after its
+backward, as an overflow would) is caught on the step it happens under dp2 and pp2. With
+train.on_nonfinite=skip the update is not applied and the run matches one process that skips
+the same batch at every step (loss within 1e-5, samples the global order's); with 'stop', or
+past train.nonfinite_limit, the run stops with one line and no checkpoint after the last good
+state is committed. A checkpoint of non-finite state is never committed."""
+
+from __future__ import annotations
+
+import pytest
+
+from faults import STEPS, Reference, check_against_reference, matrix_cfg
+from raymp import Trainer
+from raymp.checkpoint.store import CheckpointStore
+from raymp.driver.health import NonFiniteError
+from raymp.runtime.actor_group import ActorGroup
+
+POISONED = 3  # the step whose gradients turn NaN
+
+PP2 = {"dp": 1, "pp": 2, "zero": 1, "micro_batch_size": 2}
+
+
+@pytest.fixture(scope="module")
+def poisoning_group(ray_local):
+    from helpers.ckpt_workers import NonFiniteGradientWorker
+
+    group = ActorGroup(2, "cpu", placement_timeout_s=120, collective_timeout_s=120,
+                       worker_cls=NonFiniteGradientWorker)
+    yield group
+    group.shutdown()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("parallel,rank", [({}, 1), (PP2, 0)], ids=["dp2", "pp2"])
+def test_a_nonfinite_step_is_skipped_and_the_run_matches_one_process_skipping_it(
+        parallel, rank, poisoning_group, data_cache, tmp_path, capsys):
+    cfg = matrix_cfg(tmp_path, data_cache, parallel=parallel)
+    ref = Reference.of(cfg, skip_updates=frozenset({POISONED}))
+    poisoning_group.call("arm_nonfinite", [POISONED], rank)
+    with Trainer(cfg, actor_group=poisoning_group, progress=False) as t:
+        history = t.fit()
+    check_against_reference(history, ref, range(STEPS))
+    assert [m["update_skipped"] for m in history] == [int(s == POISONED) for s in range(STEPS)]
+    err = capsys.readouterr().err  # said with the progress display off
+    assert f"step {POISONED}: the gradient norm is nan" in err and "not applied" in err, err
+    # Every checkpoint committed (2, 4, 6, 8) verifies and holds the skipping run's state.
+    assert [c.step for c in CheckpointStore(cfg["checkpoint"]["dir"]).committed()] == [2, 4, 6, 8]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("train,poisoned,match", [
+    ({"on_nonfinite": "stop"}, [POISONED], "train.on_nonfinite=stop"),
+    ({"nonfinite_limit": 2}, [POISONED, POISONED + 1], r"2 non-finite steps in a row \(train.nonfinite_limit=2\)"),
+], ids=["stop", "limit"])
+def test_a_run_told_to_stop_on_nonfinite_steps_stops_with_its_last_good_state(
+        train, poisoned, match, poisoning_group, data_cache, tmp_path):
+    cfg = matrix_cfg(tmp_path, data_cache, train=train)
+    poisoning_group.call("arm_nonfinite", poisoned, 1)
+    t = Trainer(cfg, actor_group=poisoning_group, progress=False)
+    with pytest.raises(NonFiniteError, match=match):
+        t.fit()
+    last = poisoned[-1]
+    assert [m["step"] for m in t.history] == list(range(last + 1))
+    # No save starts after the step that stopped the run: the newest commit is before it.
+    assert [c.step for c in CheckpointStore(cfg["checkpoint"]["dir"]).committed()] == [2]
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_of_nonfinite_state_is_never_committed(tmp_path):
+    """The ranks check what they wrote in the background: a NaN in the state makes the save
+    fail, so the driver never commits it (CheckpointCoordinator.collect)."""
+    import os
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from raymp.checkpoint.rank_state import RankCheckpointer, host_copy
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        checkpointer = RankCheckpointer(0, 1, dist.new_group(backend="gloo"))
+        state = {"model.w": torch.ones(8), "optim.w.exp_avg": torch.tensor([1.0, float("inf")])}
+        checkpointer.write(host_copy(state), str(tmp_path / "a"), 1, async_save=True)
+        report = checkpointer.wait()
+        assert report["step"] == 1 and "non-finite values (optim.w.exp_avg)" in report["error"], report
+    finally:
+        dist.destroy_process_group()
