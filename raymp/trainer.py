@@ -92,7 +92,7 @@ class Trainer:
         cfg, lay = self.config, self.config.parallel.layout
         check_destinations(cfg)
         # One CPU beyond the actors' for the Ray Data tasks that prepare and stream the data.
-        connect(cfg.resources.address, lay.world_size * cfg.resources.cpus_per_actor + 1)
+        connect(cfg.resources.address, lay.world_size * cfg.resources.cpus_per_actor + 1, cfg.resources.cpus_per_actor)
         self.feed = DataFeed(cfg, self._log)
         check_vocab(cfg, self.feed)
         self.device = resolve_device(cfg.resources.device, lay.world_size, cfg.optimizer.cpu_offload)

@@ -124,13 +124,23 @@ def test_the_command_line_says_it_in_one_line_with_exit_2(tmp_path):
 
 @pytest.mark.system
 @pytest.mark.parametrize("case", ["config is a directory", "invalid YAML", "auto without a cluster",
-                                  "checkpoint list of a missing dir"])
+                                  "checkpoint list of a missing dir", "data source of a dangling link",
+                                  "cpus_per_actor above the machine"])
 def test_each_bad_path_or_file_is_one_line_with_exit_2(tmp_path, case):
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("model:\n  preset: tiny\n bad: [\n")
     auto = tmp_path / "auto.yaml"
     auto.write_text("parallel: auto\n")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "gone.txt").symlink_to(tmp_path / "moved-away.txt")
+    train = ["train", "configs/tiny.yaml", "--no-progress", "--set", f"output_dir={tmp_path / 'runs'}"]
     args, expected = {
+        "data source of a dangling link": (
+            [*train, "--set", f"data.source={tmp_path / 'data'}", "--set", f"data.cache_dir={tmp_path / 'cache'}"],
+            f"{tmp_path / 'data' / 'gone.txt'} is a link to a file that does not exist"),
+        "cpus_per_actor above the machine": (
+            [*train, "--set", f"resources.cpus_per_actor={(os.cpu_count() or 1) + 1}"],
+            f"is more than this machine's {os.cpu_count()} CPUs"),
         "config is a directory": (["config", str(tmp_path)], f"config path '{tmp_path}' is a directory"),
         "invalid YAML": (["config", str(bad_yaml)], f"{bad_yaml}: not valid YAML at line 3, column 2:"),
         "auto without a cluster": (["config", str(auto)], "parallel: auto needs a cluster section"),

@@ -75,7 +75,12 @@ def resolve_source(source: str) -> Source:
             if i.type == pafs.FileType.File and i.path.endswith(SUFFIXES)
         ]
         if not infos:
-            raise DataError(f"data.source {source!r}: no .jsonl, .txt or .parquet files in it")
+            # pyarrow's listing leaves out a link whose target is gone: name it, not "no files".
+            dangling = sorted(str(p) for p in Path(root).rglob("*") if p.is_symlink() and not p.exists()
+                              ) if isinstance(fs, pafs.LocalFileSystem) else []
+            raise DataError(f"data.source {source!r}: " + (
+                f"{dangling[0]} is a link to a file that does not exist; fix or remove the link"
+                if dangling else "no .jsonl, .txt or .parquet files in it"))
         infos.sort(key=lambda i: i.path)
     else:
         infos = [info]

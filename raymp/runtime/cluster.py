@@ -11,13 +11,20 @@ from raymp.config import CPU_OFFLOAD_ON_CPU, ConfigError
 from raymp.logs import RAY_LOCAL_START, quiet_loggers
 
 
-def connect(address: str | None, min_cpus: float) -> None:
+def connect(address: str | None, min_cpus: float, cpus_per_actor: float = 1) -> None:
+    """Join the cluster (ray.init), or start a local instance with `min_cpus` logical CPUs.
+    On a local instance an actor cannot use more CPUs than the machine has (each runs
+    `cpus_per_actor` torch threads): asking for more is refused, not oversubscribed silently."""
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=True)
         return
+    if cpus_per_actor > (os.cpu_count() or 1):
+        raise ConfigError(f"resources.cpus_per_actor={cpus_per_actor:g} is more than this machine's "
+                          f"{os.cpu_count()} CPUs (each actor runs that many threads); set it to at most "
+                          f"{os.cpu_count()}, or give resources.address of a cluster with larger nodes")
     # A local instance: logical CPUs are oversubscribed if the run asks for more actors than
     # cores (each actor then runs 1 thread), so a 2-core laptop can still run dp=4.
     cpus = max(os.cpu_count() or 1, int(min_cpus + 0.999))
