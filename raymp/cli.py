@@ -226,14 +226,15 @@ def _checkpoint(args) -> int:
 
 
 def _plan(args) -> int:
-    from raymp.config import ConfigError, apply_overrides, config_from_dict, read_config_file
+    from raymp.config import apply_overrides, config_from_dict, read_config_file
     from raymp.models import model_args
     from raymp.models.shape import TOKENIZER_VOCAB, model_shape
     from raymp.planner import explain, format_plan, plan
     from raymp.step_time import cluster_from_config
 
+    compare = _compared_layout(args.compare) if args.compare else None  # a typo fails before any output
     data = apply_overrides(read_config_file(args.config) if args.config else {}, args.overrides)
-    data.pop("parallel", None)  # the plan chooses it
+    own = data.pop("parallel", None)  # the plan chooses it; a config's own layout is explained first
     if args.model:
         data["model"] = {"preset": args.model}
     cluster = dict(data.get("cluster") or {})
@@ -248,8 +249,11 @@ def _plan(args) -> int:
         train["seq_len"] = args.seq_len
     data["train"] = train
     data.setdefault("precision", "bf16")
-    if train.get("seq_len"):  # plan for the context asked for, whatever the preset's default
-        data["model"] = {**data.get("model", {}), "max_seq_len": train["seq_len"]}
+    model = data.get("model") or {}
+    if train.get("seq_len") and not (model.get("hf") or model.get("hf_config")):
+        # Plan for the context asked for, whatever the preset's default (a Hugging Face model's
+        # length is its config's max_position_embeddings, which the config checks seq_len against).
+        data["model"] = {**model, "max_seq_len": train["seq_len"]}
     cfg = config_from_dict(data)
     vocab = cfg.model.vocab_size or TOKENIZER_VOCAB.get(cfg.data.tokenizer, 256)
     margs = model_args(cfg.model, vocab)
@@ -260,18 +264,44 @@ def _plan(args) -> int:
           f"{spec.nodes} x {spec.gpus_per_node} devices of {spec.gpu_memory_gb:g} GB; global batch "
           f"{cfg.train.global_batch_size} x {cfg.train.seq_len} tokens; {cfg.precision}")
     result = plan(margs, spec, cfg.train.global_batch_size, cfg.train.seq_len, bf16, shape=shape)
+    if isinstance(own, dict):  # the config's own layout, then the plan's
+        print("This config's layout:")
+        own_layout = config_from_dict({**data, "parallel": own}).parallel.layout
+        print(explain(margs, own_layout, spec, cfg.train.global_batch_size, cfg.train.seq_len, bf16, result, shape))
     print(format_plan(result, args.top))
-    if args.compare:
-        try:
-            fields = dict(item.split("=") for item in args.compare.split(","))
-            layout = Layout(int(fields.get("dp", 1)), int(fields.get("pp", 1)), int(fields.get("tp", 1)),
-                            int(fields.get("zero", 0)), int(fields.get("mbs", 1)),
-                            fields.get("ac", "false") == "true", fields.get("sp", "false") == "true",
-                            fields.get("schedule", "1f1b"), cp=int(fields.get("cp", 1)))
-        except ValueError:
-            raise ConfigError(f"--compare {args.compare!r}: write it as dp=8,pp=4,tp=2,zero=2") from None
-        print(explain(margs, layout, spec, cfg.train.global_batch_size, cfg.train.seq_len, bf16, result, shape))
+    if compare is not None:
+        print(explain(margs, compare, spec, cfg.train.global_batch_size, cfg.train.seq_len, bf16, result, shape))
     return 0
+
+
+_COMPARE_INTS = {"dp": 1, "cp": 1, "pp": 1, "tp": 1, "zero": 0, "mbs": 1}
+_COMPARE_BOOLS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False,
+                  "0": False}
+
+
+def _compared_layout(text: str):
+    """`raymp plan --compare dp=8,pp=4,...` as a Layout; a key or value it does not know is an
+    error naming it, never a default taken in its place."""
+    from raymp.config import ConfigError
+
+    keys = (*_COMPARE_INTS, "ac", "sp", "schedule")
+    fields = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not value:
+            raise ConfigError(f"--compare {text!r}: {item!r} is not key=value; write it as dp=8,pp=4,tp=2,zero=2")
+        if key not in keys:
+            raise ConfigError(f"--compare {text!r}: unknown key {key!r}; the keys are {', '.join(keys)}")
+        if key in _COMPARE_INTS and not value.isdigit():
+            raise ConfigError(f"--compare {text!r}: {key}={value} is not a whole number")
+        if key in ("ac", "sp") and value.lower() not in _COMPARE_BOOLS:
+            raise ConfigError(f"--compare {text!r}: {key}={value} is not true/false (or yes/no, 1/0)")
+        fields[key] = value
+    ints = {k: int(fields.get(k, default)) for k, default in _COMPARE_INTS.items()}
+    return Layout(ints["dp"], ints["pp"], ints["tp"], ints["zero"], ints["mbs"],
+                  _COMPARE_BOOLS[fields.get("ac", "false").lower()], _COMPARE_BOOLS[fields.get("sp", "false").lower()],
+                  fields.get("schedule", "1f1b"), cp=ints["cp"])
 
 
 def _timeline(cfg, args) -> int:

@@ -165,6 +165,37 @@ def test_plan_command():
     assert "layouts fit. Best first:" in out.stdout and "Compared layout dp=64 pp=1 tp=1 zero=3" in out.stdout
 
 
+@pytest.mark.parametrize("compare,expected", [
+    ("dp=8,zreo=3", "unknown key 'zreo'"), ("dp=8,sp=maybe", "sp=maybe is not true/false"),
+    ("dp=eight", "dp=eight is not a whole number"), ("dp=8,zero", "'zero' is not key=value"),
+])
+def test_plan_compare_refuses_what_it_does_not_know(compare, expected):
+    out = raymp("plan", "--model", "tiny", "--compare", compare)
+    assert out.returncode == 2 and out.stdout == "", out.stdout
+    assert len(out.stderr.strip().splitlines()) == 1 and f"--compare {compare!r}: {expected}" in out.stderr
+
+
+def test_plan_compare_reads_yes_and_1_as_true():
+    out = raymp("plan", "--model", "tiny", "--compare", "tp=2,sp=1,ac=yes")
+    assert out.returncode == 0, out.stderr
+    assert "Compared layout dp=1 pp=1 tp=2 zero=0 mbs=1 +AC +SP" in out.stdout, out.stdout
+
+
+def test_plan_of_a_config_explains_its_own_layout_first():
+    out = raymp("plan", "configs/tiny-pipeline.yaml")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[1] == "This config's layout:" and "dp=2 pp=2 tp=1 zero=2" in lines[2], out.stdout
+    assert any("layouts fit. Best first:" in line for line in lines[3:]), out.stdout
+
+
+def test_plan_of_a_hugging_face_config_at_another_seq_len():
+    """model.max_seq_len is the Hugging Face config's max_position_embeddings: never written."""
+    out = raymp("plan", "configs/tiny-hf-llama.yaml", "--seq-len", "64")
+    assert out.returncode == 0, out.stderr
+    assert "global batch 16 x 64 tokens" in out.stdout and "This config's layout:" in out.stdout, out.stdout
+
+
 CALIBRATION_LAYOUTS = [Layout(dp=2), Layout(dp=2, zero=3), Layout(dp=2, zero=1, activation_checkpointing=True),
                        Layout(pp=2, micro_batch_size=2), Layout(tp=2), Layout(tp=2, sequence_parallel=True),
                        Layout(cp=2)]
@@ -203,3 +234,21 @@ def test_a_configs_cost_factors_reach_the_planner_and_bad_ones_are_named():
         config_from_dict({"cluster": {"cost_factors": {"zero3": 2}}})
     with pytest.raises(ConfigError, match=r"cluster\.cost_factors.*tp is below 0"):
         config_from_dict({"cluster": {"cost_factors": {"tp": -1}}})
+
+
+def test_the_readme_plan_examples_are_what_raymp_plan_prints():
+    """README's planner examples are generated (scripts/plan_examples.py --write): current, and
+    the same figures as the command they quote."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, str(root / "scripts" / "plan_examples.py"), "--check"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    quoted = re.search(r"Llama 70B .*?: (\d+ of \d+ layouts fit)", (root / "README.md").read_text()).group(1)
+    cli = raymp("plan", "--model", "llama-70b", "--nodes", "8", "--gpus-per-node", "8", "--gpu-memory-gb", "80",
+                "--global-batch", "512", "--seq-len", "4096", "--top", "1")
+    assert f"{quoted}. Best first:" in cli.stdout, cli.stdout
