@@ -240,19 +240,23 @@ def layout_problem(args, layout: Layout, global_batch: int, seq_len: int, cluste
 
 def proposals(cluster: Cluster, shape: ModelShape, seq_len: int, micro_batch_sizes=(1, 2, 4)):
     """The layouts worth judging on `cluster`: no no-ops (ZeRO at dp=1 changes nothing), and
-    sequence parallelism wherever the model and sequence length allow it with tp > 1; on
-    several nodes, FSDP also as HSDP (a replica per node)."""
+    sequence parallelism wherever the model and sequence length allow it with tp > 1; context
+    parallelism over ranks the data dimension would otherwise take (what makes a long sequence
+    fit); on several nodes, FSDP also as HSDP (a replica per node). The layout rules drop what
+    cannot run (a cp the sequence or the model does not divide by)."""
     world = cluster.world
     for tp in _divisors(cluster.gpus_per_node):
         sp = tp > 1 and shape.sequence_parallel and seq_len % tp == 0
         for pp in _divisors(world // tp):
-            dp = world // (tp * pp)
-            for zero in ((1, 2, 3) if dp > 1 else (0,)):
-                hsdp = runs_on_fsdp(zero) and cluster.nodes > 1 and dp % cluster.nodes == 0 and dp > cluster.nodes
-                for replicate in (1, cluster.nodes) if hsdp else (1,):
-                    for mbs in micro_batch_sizes:
-                        for ac in (False, True):
-                            yield Layout(dp, pp, tp, zero, mbs, ac, sequence_parallel=sp, dp_replicate=replicate)
+            for cp in _divisors(world // (tp * pp)):
+                dp = world // (tp * pp * cp)
+                for zero in ((1, 2, 3) if dp * cp > 1 else (0,)):
+                    hsdp = runs_on_fsdp(zero) and cluster.nodes > 1 and dp % cluster.nodes == 0 and dp > cluster.nodes
+                    for replicate in (1, cluster.nodes) if hsdp else (1,):
+                        for mbs in micro_batch_sizes:
+                            for ac in (False, True):
+                                yield Layout(dp, pp, tp, zero, mbs, ac, sequence_parallel=sp, dp_replicate=replicate,
+                                             cp=cp)
 
 
 def plan(args, cluster: Cluster, global_batch: int, seq_len: int, bf16: bool = True,

@@ -119,7 +119,7 @@ def test_auto_only_proposes_layouts_the_config_accepts(model, nodes, gpus):
     result = plan(model_args(m, 256), Cluster(nodes, gpus), 16, 30, shape=model_shape(m, 256, "byte"))
     for candidate in result.candidates:  # every layout the planner judges, not only the best
         lay = candidate.layout
-        assert not (lay.dp == 1 and lay.zero > 0), f"a no-op proposed: {lay.text(detail=True)}"
+        assert not (lay.data_parallel_size == 1 and lay.zero > 0), f"a no-op proposed: {lay.text(detail=True)}"
         config_from_dict({**base, "parallel": lay.as_parallel()})
 
 

@@ -148,6 +148,14 @@ def test_parallel_auto_picks_the_best_plan_and_trains(group2, tiny_cfg):
     assert losses[1] < losses[0]
 
 
+def test_parallel_auto_takes_context_parallelism_for_a_long_sequence(tiny_cfg):
+    """One sequence of 64k tokens on 4 devices of 2 GB: only splitting the sequence fits well."""
+    cfg = config_from_dict(tiny_cfg(parallel="auto", model={"preset": "small", "max_seq_len": 65536},
+                                    train={"global_batch_size": 1, "seq_len": 65536},
+                                    cluster={"nodes": 1, "gpus_per_node": 4, "gpu_memory_gb": 2}))
+    assert cfg.parallel.layout.cp == 4 and cfg.parallel.world_size == 4, cfg.parallel.layout.text(detail=True)
+
+
 def test_parallel_auto_without_a_fit_or_a_cluster_is_a_clear_error(tiny_cfg):
     with pytest.raises(ConfigError, match="needs a cluster section"):
         config_from_dict(tiny_cfg(parallel="auto"))
