@@ -22,6 +22,7 @@ from raymp.step_time import cluster_from_config
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHER = sorted((ROOT / "cluster" / "launcher").glob("*.yaml"))
+STOP_WAIT_S = 60  # cluster/README.md: what the shipped cluster configs give `ray job stop`
 GPU_CONFIGS = ["gpt2-124m-8gpu.yaml", "llama-8b-2x8.yaml", "llama-70b-8x8.yaml"]
 
 
@@ -35,6 +36,9 @@ def test_launcher_config_matches_rays_schema(path):
     gpu = [t for t in types.values() if t["resources"].get("GPU")]
     assert gpu and all(t["min_workers"] <= t["max_workers"] <= config["max_workers"] for t in gpu)
     assert types[config["head_node_type"]]["resources"]["CPU"] == 0  # no training actor on the head
+    # ray job stop's SIGKILL comes this long after SIGTERM: time to commit the save in flight
+    assert any(c.startswith(f"RAY_JOB_STOP_WAIT_TIME_S={STOP_WAIT_S} ray start --head")
+               for c in config["head_start_ray_commands"])
 
 
 def test_launcher_schema_check_can_fail():
@@ -53,6 +57,8 @@ def _check_cluster_spec(spec):
     assert spec["rayVersion"].startswith("2.")
     head = spec["headGroupSpec"]
     assert "rayStartParams" in head  # the images: test_kuberay_pods_run_an_image_with_raymp_at_the_tested_ray_version
+    # The job manager on the head reads it (ray job stop: SIGKILL this long after SIGTERM).
+    assert {"name": "RAY_JOB_STOP_WAIT_TIME_S", "value": str(STOP_WAIT_S)} in _containers(head["template"])[0]["env"]
     for group in spec["workerGroupSpecs"]:
         assert group["groupName"] and "rayStartParams" in group
         assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
