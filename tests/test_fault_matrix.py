@@ -420,6 +420,33 @@ def test_warm_start_applies_the_configs_learning_rate_and_says_so(saved, data_ca
     assert "the config's optimizer.lr=0.002 applies (the checkpoint's run had 0.01)" in capsys.readouterr().out
 
 
+@pytest.mark.timeout(240)
+def test_a_stopped_run_publishes_every_step_its_kept_checkpoint_holds(ref, data_cache, group2, tmp_path):
+    """A stop (Ctrl-C, SIGTERM, ray job stop) after step 5 commits the save of step 4 in flight:
+    MLflow's KILLED run then has steps 0-3, each once, as a resume from that checkpoint redoes
+    the rest (held steps after it are dropped, never published twice)."""
+    from mlflow.tracking import MlflowClient
+
+    cfg = matrix_cfg(tmp_path, data_cache, tracking={"enabled": True, "tracking_uri": f"sqlite:///{tmp_path}/m.db"})
+    with Trainer(cfg, actor_group=group2, progress=False) as t:
+        def stop_after_5(name, info):
+            if name == "step" and info["done"] == 5:
+                raise KeyboardInterrupt
+
+        t.setup()
+        t.on_event = stop_after_5
+        with pytest.raises(KeyboardInterrupt):  # fit() commits, then lets the stop go on to the caller
+            t.fit()
+        run_id, uri = t.tracker.run_id, t.tracker.uri
+    kept = CheckpointStore(cfg["checkpoint"]["dir"]).latest()
+    assert kept.step == 4
+    client = MlflowClient(uri)
+    assert client.get_run(run_id).info.status == "KILLED"
+    losses = {m.step: m.value for m in client.get_metric_history(run_id, "loss")}
+    assert sorted(losses) == list(range(kept.step)), sorted(losses)
+    assert [losses[s] for s in range(kept.step)] == pytest.approx(ref.losses[:kept.step], rel=1e-5)
+
+
 # -- MLflow after restarts ------------------------------------------------------------------------
 
 
