@@ -77,22 +77,30 @@ def test_data_prepare_stops_on_bad_records_or_skips_and_counts_them(tmp_path):
 
 def test_sigint_stops_a_run_started_with_sigint_ignored(tmp_path):
     """A command started in the background by a script (or CI) inherits SIGINT ignored; `kill -INT`
-    must still stop it as Ctrl-C does (once it trained to its end instead)."""
+    must still stop it as Ctrl-C does (once it trained to its end instead). Its output piped as a
+    job log is (stdout and stderr in one stream, no PYTHONUNBUFFERED): each step line arrives as
+    it is made, and the stop's line comes after the last of them."""
     import signal
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "raymp.cli", "train", "configs/tiny.yaml", "--set", "train.steps=500",
          "--set", "train.log_every=1", "--set", "checkpoint.every=0", "--set", "tracking.enabled=false",
          "--set", f"output_dir={tmp_path / 'runs'}"],
-        cwd=ROOT, env={**os.environ, "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        cwd=ROOT, env={**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}, "RAY_ADDRESS": ""},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    seen = []
     try:
         for line in proc.stdout:  # wait on the event (a step line: plain lines off a terminal), not a clock
+            seen.append(line)
             if line.startswith("step "):
                 break
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
+        out, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 130, err
-    assert "raymp: stopped (interrupt or SIGTERM)" in err and "step   500/500" not in out
+    lines = "".join(seen + [out]).splitlines()
+    assert proc.returncode == 130, "\n".join(lines[-20:])
+    stopped = next(i for i, line in enumerate(lines) if line.startswith("raymp: stopped (interrupt or SIGTERM)"))
+    last_step = max(i for i, line in enumerate(lines) if line.startswith("step "))
+    assert last_step < stopped and "step   500/500" not in lines[last_step], lines[-20:]
