@@ -26,6 +26,21 @@ from raymp.tracking_store import tracking_uri
 _MAX_METRICS, _MAX_PARAMS = 1000, 100
 
 
+
+def artifact_location(uri: str, output_dir: str) -> str | None:
+    """Where a new experiment keeps its artifacts. A server (http, https, databricks) and a
+    file store have their own root (None). A database has none, and MLflow would then write to
+    ./mlruns of whatever directory the driver started in: a sqlite database's artifacts go
+    beside it, another database's under output_dir."""
+    scheme = uri.split(":", 1)[0].split("+", 1)[0].lower() if ":" in uri else "file"
+    if scheme in ("http", "https", "databricks", "file"):
+        return None
+    if scheme == "sqlite":
+        path = uri.split(":///", 1)[1] if ":///" in uri else ""  # sqlite:////abs or sqlite:///relative
+        if path and path != ":memory:":
+            return (Path(path).resolve().parent / "mlartifacts").as_uri()
+    return local_artifact_root(output_dir)
+
 class RunTracker:
     """One MLflow run. With `resume_run_id` (a checkpoint's run), that run goes on: a job
     resumed from a checkpoint adds to the same curves instead of starting a second run."""
@@ -43,8 +58,7 @@ class RunTracker:
         if exp is not None:
             self.experiment_id = exp.experiment_id
         else:
-            # With the embedded store, keep artifacts beside the database (a server has its own root).
-            location = None if cfg.tracking.tracking_uri else local_artifact_root(cfg.output_dir)
+            location = artifact_location(self.uri, cfg.output_dir)
             self.experiment_id = self.client.create_experiment(
                 cfg.tracking.experiment, artifact_location=location
             )

@@ -195,3 +195,17 @@ def test_a_run_shorter_than_its_warmup_is_said_not_refused():
         "note: optimizer.warmup_steps (10) is not below train.steps (2): the whole run warms up, its last step "
         "at 20% of optimizer.lr")
     assert warmup_note(config_from_dict({}).optimizer, 100) is None
+
+
+def test_a_new_experiments_artifacts_go_where_the_run_says(tmp_path, monkeypatch):
+    """A database keeps no artifacts: MLflow would put them in ./mlruns of the driver's working
+    directory. raymp puts a sqlite store's beside its file, another database's under output_dir;
+    a server and a file store keep their own root."""
+    from raymp.tracking import artifact_location
+
+    monkeypatch.chdir(tmp_path)
+    assert artifact_location(f"sqlite:///{tmp_path}/db/m.db", "/out") == (tmp_path / "db" / "mlartifacts").as_uri()
+    assert artifact_location("sqlite:///rel/m.db", "/out") == (tmp_path / "rel" / "mlartifacts").as_uri()
+    assert artifact_location("postgresql://u@host/mlflow", "/out") == "file:///out/mlartifacts"
+    assert artifact_location("http://mlflow:5000", "/out") is None
+    assert artifact_location(str(tmp_path / "mlruns"), "/out") is None
