@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -112,6 +113,21 @@ def check_writable(location: str | os.PathLike) -> None:
         if f.read() != "ok":
             raise OSError(f"{location}: a file written there read back different")
     fs.rm(probe)
+
+
+def free_space_note(location: str | os.PathLike) -> str:
+    """", N MiB free on its disk" for a local path (what a failed write most often lacks, and
+    torch's writer may say only "unexpected pos 704 vs 598"); "" for a URI or a path not there."""
+    if is_uri(location) and not str(location).startswith("file://"):
+        return ""
+    path = Path(str(location).removeprefix("file://"))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return ""
+    return f", {free / 2**20:,.1f} MiB free on the disk holding {path}"
 
 
 def default_tracking_uri(output_dir: str) -> str:

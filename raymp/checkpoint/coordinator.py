@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from raymp.checkpoint.integrity import directory_files
 from raymp.checkpoint.lineage import Lineage
 from raymp.checkpoint.store import Checkpoint
+from raymp.storage import free_space_note
 
 
 @dataclass
@@ -71,7 +72,7 @@ class CheckpointCoordinator:
             self.failed.append((pending.step, error))
             removed = self.store.discard(pending.step)
             self.log(f"checkpoint of step {pending.step} failed on {len(errors)} rank(s) (rank {rank}: "
-                     f"{error.splitlines()[0][:300]}); not committed"
+                     f"{error.splitlines()[0][:300]}{free_space_note(pending.path)}); not committed"
                      + (", its partial directory removed" if removed else "") + f"; {self._latest_text()}")
             return None
         return self._commit(pending, pending.files)
