@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 
 from raymp.runtime.actor_group import ActorGroup
-from raymp.runtime.cluster import connect
+from raymp.ray_connection import connect
 from raymp.trainer import Trainer
 
 

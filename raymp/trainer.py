@@ -36,7 +36,8 @@ from raymp.progress import StepProgress
 from raymp.runtime.actor_group import ActorGroup, WorkerLostError
 from raymp.config.rules import compiles
 from raymp.optim import warmup_note
-from raymp.runtime.cluster import connect, resolve_device
+from raymp.ray_connection import connect
+from raymp.runtime.cluster import check_local_cpus, resolve_device
 from raymp.timeline import run_timeline
 
 
@@ -92,7 +93,8 @@ class Trainer:
         cfg, lay = self.config, self.config.parallel.layout
         check_destinations(cfg)
         # One CPU beyond the actors' for the Ray Data tasks that prepare and stream the data.
-        connect(cfg.resources.address, lay.world_size * cfg.resources.cpus_per_actor + 1, cfg.resources.cpus_per_actor)
+        check_local_cpus(cfg.resources.address, cfg.resources.cpus_per_actor)
+        connect(cfg.resources.address, lay.world_size * cfg.resources.cpus_per_actor + 1)
         self.feed = DataFeed(cfg, self._log)
         check_vocab(cfg, self.feed)
         self.device = resolve_device(cfg.resources.device, lay.world_size, cfg.optimizer.cpu_offload)

@@ -1,6 +1,7 @@
 """The package's shape from its source (ast, no imports): module and class sizes, import
 cycles between raymp's own modules (function-local imports count: a cycle hidden in a function
-is still a cycle), and function-local imports outside the few kinds that earn their place.
+is still a cycle) and between its subpackages, and function-local imports outside the few kinds
+that earn their place.
 
     python scripts/structure.py            # print the table and any cycle
     python scripts/structure.py --write    # regenerate the table in docs/design.md
@@ -122,6 +123,24 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def subpackage_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph folded onto raymp's subpackages (raymp.checkpoint, raymp.data, ...;
+    a top-level module stands for itself): a cycle here is layering gone wrong even when no
+    two modules import each other."""
+
+    def unit(module: str) -> str:
+        parts = module.split(".")
+        return ".".join(parts[:2])
+
+    folded: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        folded.setdefault(unit(module), set()).update(unit(m) for m in imported if unit(m) != unit(module))
+    for targets in list(folded.values()):
+        for t in targets:
+            folded.setdefault(t, set())
+    return folded
+
+
 def sizes() -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
     """(module, lines) and (class, lines), largest first."""
     mods, classes = [], []
@@ -162,6 +181,10 @@ def main() -> int:
     found = cycles(graph)
     for component in found:
         print("import cycle: " + " <-> ".join(component), file=sys.stderr)
+    layered = cycles(subpackage_graph(graph))
+    for component in layered:
+        print("subpackage cycle: " + " <-> ".join(component), file=sys.stderr)
+    found += layered
     stray = [line for path in known.values() for line in stray_local_imports(path)]
     for line in stray:
         print(f"function-local import (move it to the top of the module, or see LAZY_LIBRARIES): {line}",

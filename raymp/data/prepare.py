@@ -24,7 +24,7 @@ import ray
 from raymp.data.corpus import DataError, Skip, Source, parse_file, resolve_source
 from raymp.data.ray_context import local_node_if_local_path, offers_no_cpu, on_node, ordered_context
 from raymp.data.tokenizers import get_tokenizer
-from raymp.runtime.cluster import connect
+from raymp.ray_connection import connect
 from raymp.storage import absolute, arrow_fs, join
 
 MANIFEST = "manifest.json"

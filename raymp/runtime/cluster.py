@@ -1,5 +1,5 @@
-"""Connecting to Ray: the cluster this process runs in (ray job submit sets RAY_ADDRESS), an
-explicit address, or a fresh local instance sized for the run."""
+"""What the cluster this run connected to (raymp.ray_connection) offers it: CPUs for a local
+instance, GPUs for the device, memory for the model."""
 
 from __future__ import annotations
 
@@ -8,30 +8,17 @@ import os
 import ray
 
 from raymp.config import CPU_OFFLOAD_ON_CPU, ConfigError
-from raymp.logs import RAY_LOCAL_START, quiet_loggers
+from raymp.ray_connection import starts_local
 
 
-def connect(address: str | None, min_cpus: float, cpus_per_actor: float = 1) -> None:
-    """Join the cluster (ray.init), or start a local instance with `min_cpus` logical CPUs.
-    On a local instance an actor cannot use more CPUs than the machine has (each runs
-    `cpus_per_actor` torch threads): asking for more is refused, not oversubscribed silently."""
-    if ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=True)
-        return
-    if cpus_per_actor > (os.cpu_count() or 1):
+def check_local_cpus(address: str | None, cpus_per_actor: float) -> None:
+    """On a local instance an actor cannot use more CPUs than the machine has (each runs
+    `cpus_per_actor` torch threads): asking for more is refused, not oversubscribed silently.
+    (A cluster's nodes are checked by placement.)"""
+    if starts_local(address) and cpus_per_actor > (os.cpu_count() or 1):
         raise ConfigError(f"resources.cpus_per_actor={cpus_per_actor:g} is more than this machine's "
                           f"{os.cpu_count()} CPUs (each actor runs that many threads); set it to at most "
                           f"{os.cpu_count()}, or give resources.address of a cluster with larger nodes")
-    # A local instance: logical CPUs are oversubscribed if the run asks for more actors than
-    # cores (each actor then runs 1 thread), so a 2-core laptop can still run dp=4.
-    cpus = max(os.cpu_count() or 1, int(min_cpus + 0.999))
-    # A Ray of its own, even while another instance runs on this machine (a plain ray.init()
-    # would join that one, or refuse num_cpus).
-    with quiet_loggers(*RAY_LOCAL_START):
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
 
 
 def resolve_device(requested: str, world_size: int, cpu_offload: bool = False) -> str:

@@ -1,0 +1,33 @@
+"""Connecting to Ray: the cluster this process runs in (ray job submit sets RAY_ADDRESS), an
+explicit address, or a fresh local instance sized for the run. A module of its own, beside no
+subpackage: data preparation and the trainer both connect, and neither may import the other."""
+
+from __future__ import annotations
+
+import os
+
+import ray
+
+from raymp.logs import RAY_LOCAL_START, quiet_loggers
+
+
+def starts_local(address: str | None) -> bool:
+    """Whether connect(address, ...) would start a local instance (none joined yet, no address)."""
+    return not ray.is_initialized() and not (address or os.environ.get("RAY_ADDRESS"))
+
+
+def connect(address: str | None, min_cpus: float) -> None:
+    """Join the cluster (ray.init), or start a local instance with at least `min_cpus` logical CPUs."""
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return
+    # A local instance: logical CPUs are oversubscribed if the run asks for more actors than
+    # cores (each actor then runs 1 thread), so a 2-core laptop can still run dp=4.
+    cpus = max(os.cpu_count() or 1, int(min_cpus + 0.999))
+    # A Ray of its own, even while another instance runs on this machine (a plain ray.init()
+    # would join that one, or refuse num_cpus).
+    with quiet_loggers(*RAY_LOCAL_START):
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
