@@ -448,6 +448,36 @@ def test_a_stopped_run_publishes_every_step_its_kept_checkpoint_holds(ref, data_
     assert [losses[s] for s in range(kept.step)] == pytest.approx(ref.losses[:kept.step], rel=1e-5)
 
 
+@pytest.mark.timeout(400)
+def test_a_stopped_rank_is_caught_by_the_automatic_step_deadline_and_the_run_recovers(ref, data_cache, tmp_path):
+    """SIGSTOP of one rank with the shipped defaults (no elastic.step_timeout_s): the step waits
+    hang_factor x the slowest step so far, at least hang_floor_s (60 s), then the run restarts
+    from its checkpoint; every step once, equal to one process. Its own actors: the stopped one
+    is killed with the group."""
+    import signal
+    import time
+
+    stopped = {}
+    with Trainer(matrix_cfg(tmp_path, data_cache), progress=False) as t:
+        def stop_rank_1(name, info):
+            if name == "step" and info["done"] == 4 and not stopped:
+                stopped["at"], stopped["limit"] = time.time(), t.session.deadline.limit()
+                os.kill(t.session.group.nodes[1]["pid"], signal.SIGSTOP)
+
+        t.setup()
+        t.on_event = stop_rank_1
+        history = t.fit()
+        restarts = t.restarts
+    check_against_reference(history, ref, range(STEPS))
+    (event,) = restarts
+    seconds, knob = stopped["limit"]
+    assert event["kind"] == "timeout" and "the automatic step deadline" in event["message"] and seconds >= 60
+    waited = event["detected_at"] - stopped["at"]
+    assert seconds <= waited < seconds + 30, (waited, knob)  # caught at the deadline, not before
+    # The save of step 4 was still being written by the stopped rank: step 2's checkpoint it is.
+    assert event["resumed_step"] == 2 and event["recovery"] == "restart"
+
+
 # -- MLflow after restarts ------------------------------------------------------------------------
 
 

@@ -194,7 +194,13 @@ class ElasticConfig(Strict):
                             "checkpoint after a restart; after survivors went on, before the next step, the "
                             "missing replicas taking their state from live peers")
     step_timeout_s: float | None = Field(
-        None, gt=0, description="a step taking longer counts as a failure (a hung rank); None: no limit")
+        None, gt=0, description="a step taking longer counts as a failure (a hung rank); None: the automatic "
+        "deadline (hang_factor, hang_floor_s)")
+    hang_factor: float = Field(
+        10, ge=0, description="without step_timeout_s, a step counts as hung (a stopped process, a deadlocked "
+        "collective) past this many times the slowest step of the launch so far, its first step (compiling, "
+        "warming up) not counted, and at least hang_floor_s; 0: no automatic deadline")
+    hang_floor_s: float = Field(60, gt=0, description="the automatic step deadline is never shorter than this")
     poll_s: float = Field(1.0, gt=0, description="how often to look for resources while waiting")
     keep_survivors: bool = Field(
         False, description="after a loss, the surviving actors keep their state in memory and go on "

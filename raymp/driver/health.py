@@ -1,4 +1,5 @@
-"""Training health: what the run does after a step whose gradients were not finite.
+"""Training health: what the run does after a step whose gradients were not finite, and how long
+a step may take before a rank counts as hung.
 
 The ranks decide the step itself: the gradient norm is one all-reduce over every rank's
 gradients, so every rank sees the same value and, when it is not finite, none applies the update
@@ -49,3 +50,32 @@ class NonFinitePolicy:
                 "the training diverged and the run stops with its last good state; lower optimizer.lr "
                 "or resume from an earlier checkpoint")
         self.warn(f"{what}; its update was not applied, the batch is passed over (train.on_nonfinite=skip)")
+
+
+class StepDeadline:
+    """How long the driver waits for a step before it counts a rank as hung (a stopped process,
+    a deadlocked collective): elastic.step_timeout_s when set; else hang_factor times the
+    slowest step of this launch so far, at least hang_floor_s. A launch's first step (compiling,
+    warming up) neither has a deadline nor sets one, so it never raises a false alarm; the second
+    sets the first deadline, and every step from the third on has one, with the shipped defaults."""
+
+    def __init__(self, elastic):
+        self.fixed, self.factor, self.floor = elastic.step_timeout_s, elastic.hang_factor, elastic.hang_floor_s
+        self.durations: list[float] = []  # this launch's step times, its first step included
+
+    def new_launch(self) -> None:
+        self.durations = []
+
+    def observe(self, step_time_s: float) -> None:
+        self.durations.append(step_time_s)
+
+    def limit(self) -> tuple[float | None, str]:
+        """(seconds to wait for the next step or None, the setting that gave them)."""
+        if self.fixed is not None:
+            return self.fixed, "elastic.step_timeout_s"
+        if not self.factor or len(self.durations) < 2:
+            return None, "elastic.step_timeout_s"
+        slowest = max(self.durations[1:])
+        seconds = max(self.floor, self.factor * slowest)
+        return seconds, (f"the automatic step deadline, {seconds:.0f}s: elastic.hang_factor={self.factor:g} x the "
+                         f"slowest step so far ({slowest:.2f}s), at least elastic.hang_floor_s={self.floor:g}")

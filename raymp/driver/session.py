@@ -13,6 +13,7 @@ from raymp.checkpoint.coordinator import CheckpointCoordinator
 from raymp.checkpoint.restore import COLLECTIVE_KNOB, restore_newest_intact
 from raymp.checkpoint.store import Checkpoint
 from raymp.config import RunConfig, resolved_dict
+from raymp.driver.health import StepDeadline
 from raymp.driver.launch import Launcher
 from raymp.driver.metrics import peak_tflops, step_metrics
 from raymp.driver.stopping import stop_signals_held
@@ -39,12 +40,14 @@ class Session:
         self._unread: list = []  # a failed step's calls whose results were never read
         self._last_collected = 0.0  # when the last step's results came back
         self.queued_early: list[int] = []  # steps queued before the previous one's results were read
+        self.deadline = StepDeadline(config.elastic)  # how long a step may take before a rank counts as hung
 
     def launch(self, position, group: ActorGroup | None = None, kept: bool = False,
                joined: dict | None = None) -> Checkpoint | None:
         """The actors for self.config's layout, brought to the newest intact state (or to
         `position` when there is none; see Launcher.launch for the rest). Returns what it restored."""
         self.group, self._ahead = None, None
+        self.deadline.new_launch()
         launched = self.launcher.launch(self.config, position, group, kept, joined)
         self.group, self.config = launched.group, launched.config
         self.setup_info, self.memory_estimate = launched.setup_info, launched.memory_estimate
@@ -82,13 +85,14 @@ class Session:
         _, refs, dispatched = pending
         started = max(dispatched, self._last_collected)  # a queued step starts when the one before ends
         try:
-            reports = self.group.collect(refs, cfg.elastic.step_timeout_s)
+            reports = self.group.collect(refs, *self.deadline.limit())
         except WorkerLostError as lost:
             # The survivors' calls end with errors of their own: read later (read_failed_calls).
             self._unread = refs + (self._ahead[1] if self._ahead else [])
             self._ahead = None  # its ranks are torn down with the failed step's
             raise WorkerLostError(f"step {step}: {lost}", lost.rank, lost.kind, step) from lost
         self._last_collected = time.perf_counter()
+        self.deadline.observe(self._last_collected - started)
         return reports, step_metrics(step, reports, cfg.parallel.layout, cfg, self._last_collected - started,
                                      *self._step_constants)
 

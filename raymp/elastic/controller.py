@@ -141,7 +141,9 @@ class ElasticController:
             in_flight = in_flight or self.run.abandon_save()
             try:
                 event = None
-                if attempts == 1 and self.run.config.elastic.keep_survivors and self.run.group is not None:
+                # A hung rank (a step past its deadline) may not answer the survivors' calls: restart.
+                if (attempts == 1 and self.run.config.elastic.keep_survivors and self.run.group is not None
+                        and lost.kind != "timeout"):
                     self.say(f"elastic: {lost}; going on with the survivors "
                              f"({len(self.failures)}/{self.failure_policy.max_restarts})")
                     event = self._go_on_with_survivors(first, in_flight)
