@@ -474,8 +474,9 @@ def test_a_stopped_rank_is_caught_by_the_automatic_step_deadline_and_the_run_rec
     assert event["kind"] == "timeout" and "the automatic step deadline" in event["message"] and seconds >= 60
     waited = event["detected_at"] - stopped["at"]
     assert seconds <= waited < seconds + 30, (waited, knob)  # caught at the deadline, not before
-    # The save of step 4 was still being written by the stopped rank: step 2's checkpoint it is.
-    assert event["resumed_step"] == 2 and event["recovery"] == "restart"
+    # Step 4's save, started just before the stop, is committed only if the stopped rank had
+    # written its part already (DCP's index on storage); else step 2's checkpoint it is.
+    assert event["resumed_step"] in (2, 4) and event["recovery"] == "restart"
 
 
 # -- MLflow after restarts ------------------------------------------------------------------------
