@@ -175,7 +175,11 @@ class Trainer:
         if eval_due:
             metrics["val_loss"] = self.evaluate()
         self.history.append(metrics)
-        self.health.after_step(metrics)  # before a save starts: a run that stops saves nothing more
+        self.session.collect_saves(reports, metrics)
+        # Before a save starts: a run that stops saves nothing more.
+        if self.health.after_step(metrics):  # train.on_nonfinite=restore
+            self.elastic.rewind(step, f"step {step}: non-finite gradient norm {metrics['grad_norm']}")
+            return metrics
         if self.session.after_step(reports, self.global_step, metrics, self.elastic.grows_at_checkpoint):
             self.elastic.grow()  # from the checkpoint just committed
         self.tracking.on_step(metrics)

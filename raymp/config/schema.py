@@ -90,9 +90,11 @@ class TrainingConfig(Strict):
     memory_every: int = Field(
         100, ge=0, description="steps between the ranks' memory measurements (saved activations, model-state "
         "bytes); also measured on each set-up's first step and the run's last; 0: only those")
-    on_nonfinite: Literal["skip", "stop"] = Field(
+    on_nonfinite: Literal["skip", "restore", "stop"] = Field(
         "skip", description="a step whose gradient norm (over every rank) is not finite never updates the "
-        "state; 'skip': its batch is passed over and training goes on, 'stop': the run stops at once")
+        "state; 'skip': its batch is passed over and training goes on; 'restore': the run goes back to its "
+        "newest checkpoint and redoes the steps from there (a transient fault leaves no trace; the same step "
+        "non-finite again stops the run); 'stop': the run stops at once")
     nonfinite_limit: int = Field(
         3, ge=1, description="consecutive non-finite steps after which a run with on_nonfinite=skip stops "
         "(the training diverged: lower optimizer.lr, or resume from an earlier checkpoint)")

@@ -6,8 +6,10 @@ gradients, so every rank sees the same value and, when it is not finite, none ap
 (a NaN or inf loss on any rank reaches the norm through backward). The state stays the last good
 one, so no checkpoint or peer copy can hold what the step would have made. The LR schedule moves
 on, so the step counts as a step whose batch was passed over (the one-process reference skips the
-same batch the same way). What happens next is the policy's (`train.on_nonfinite`): go on, or stop,
-and stop anyway after `train.nonfinite_limit` such steps in a row (a diverged run).
+same batch the same way). What happens next is the policy's (`train.on_nonfinite`): go on (and stop
+anyway after `train.nonfinite_limit` such steps in a row: a diverged run), go back to the newest
+checkpoint and redo the steps from it (a transient fault, a flipped bit, leaves no trace; the same
+step non-finite again is no transient fault, and stops the run), or stop.
 """
 
 from __future__ import annotations
@@ -28,19 +30,30 @@ class NonFinitePolicy:
         self.on_nonfinite, self.limit, self.warn = train.on_nonfinite, train.nonfinite_limit, warn
         self.in_a_row = 0
         self.skipped: list[int] = []  # the steps whose update was not applied
+        self.restored_for: set[int] = set()  # steps the run went back to a checkpoint for
 
-    def after_step(self, metrics: dict) -> None:
+    def after_step(self, metrics: dict) -> bool:
         """Mark the step's metrics (`update_skipped`) and act on a non-finite one: a line
-        always; NonFiniteError when the policy or the limit says stop."""
+        always; NonFiniteError when the policy or the limit says stop. True: go back to the
+        newest checkpoint and redo the steps from it (train.on_nonfinite=restore)."""
         finite = math.isfinite(metrics["grad_norm"])
         metrics["update_skipped"] = 0 if finite else 1
         if finite:
             self.in_a_row = 0
-            return
+            return False
         step = metrics["step"]
         self.skipped.append(step)
         self.in_a_row += 1
         what = f"step {step}: the gradient norm is {metrics['grad_norm']} (loss {metrics['loss']:.4g})"
+        if self.on_nonfinite == "restore":
+            if step in self.restored_for:
+                raise NonFiniteError(f"{what} again after going back to a checkpoint for it: no transient fault, "
+                                     "the run stops with its last good state; lower optimizer.lr, or set "
+                                     "train.on_nonfinite=skip to pass the batch over")
+            self.restored_for.add(step)
+            self.warn(f"{what}; its update was not applied, the run goes back to its newest checkpoint "
+                      "(train.on_nonfinite=restore)")
+            return True
         if self.on_nonfinite == "stop":
             raise NonFiniteError(f"{what}; its update was not applied and the run stops "
                                  "(train.on_nonfinite=stop; 'skip' passes such a batch over)")
@@ -50,6 +63,7 @@ class NonFinitePolicy:
                 "the training diverged and the run stops with its last good state; lower optimizer.lr "
                 "or resume from an earlier checkpoint")
         self.warn(f"{what}; its update was not applied, the batch is passed over (train.on_nonfinite=skip)")
+        return False
 
 
 class StepDeadline:

@@ -214,6 +214,12 @@ class Session:
         mlflow = self.tracking.record()
         return {**meta, "mlflow": mlflow} if mlflow else meta
 
+    def collect_saves(self, reports: list, metrics: dict) -> None:
+        """Commit the save the ranks report finished with this step (before anything can stop
+        or rewind the run: what they wrote is a good state)."""
+        if (done := self.checkpoints.collect([r.checkpoint for r in reports])) is not None:
+            metrics["checkpoint_committed"] = done.step
+
     def after_step(self, reports: list, steps_done: int, metrics: dict, wants_to_grow) -> bool:
         """Commit what the ranks finished writing and start the save due now. True when the
         run should grow back now: it wants to (`wants_to_grow()`) and that save just committed."""

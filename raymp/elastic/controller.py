@@ -57,6 +57,8 @@ class ElasticRun(Protocol):
 
     def on_restart(self, event: dict) -> None: ...
 
+    def commit_in_flight(self) -> None: ...
+
 
 class FailurePolicy:
     """A failure is retried while the run has had at most elastic.max_restarts of them."""
@@ -159,6 +161,19 @@ class ElasticController:
                 raise
         # Every attempt counts: from the failure's detection to the relaunched group.
         event.update(detected_at=detected, attempts=attempts, restart_s=time.monotonic() - t0)
+        return self._done(event)
+
+    def rewind(self, step: int, why: str) -> dict:
+        """Go back to the lineage's newest intact state at the same layout and redo the steps
+        from it (train.on_nonfinite=restore): the save in flight (of a good state: a non-finite
+        step applies no update) is committed first, the ranks are set up anew (torn down, as a
+        restart does, so no queued step or stale stream survives) and restored."""
+        self._enter(Phase.RECOVERING)
+        detected, t0 = time.time(), time.monotonic()
+        self.run.commit_in_flight()
+        event = self._relaunch("nonfinite", None, (None, None), self.run.config.parallel.dp)
+        event.update(failed_step=step, message=why, detected_at=detected, attempts=1,
+                     restart_s=time.monotonic() - t0)
         return self._done(event)
 
     def grow(self) -> dict | None:

@@ -161,12 +161,16 @@ class NonFiniteGradientWorker(Worker):
     """Rank `rank` turns one of its gradients to NaN after the backward of the armed steps, as
     an overflow would: the global gradient norm is then NaN on every rank."""
 
-    def arm_nonfinite(self, steps: list[int], rank: int) -> None:
+    def arm_nonfinite(self, steps: list[int], rank: int, once: bool = False) -> None:
+        """`once`: each armed step is poisoned the first time it runs only (a transient fault)."""
         self._poisoned_steps = set(steps) if self.rank == rank else set()
+        self._poison_once = once
 
     def _train_step(self, step: int):
         if step not in getattr(self, "_poisoned_steps", ()):
             return super()._train_step(step)
+        if self._poison_once:
+            self._poisoned_steps.discard(step)
         program = self.program
         forward_backward = program.forward_backward
 
