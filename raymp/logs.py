@@ -12,6 +12,8 @@ from contextlib import contextmanager
 RAY_LOCAL_START = ("ray._private.authentication.authentication_token_setup", "ray._private.worker")
 # MLflow, creating an embedded database: its table set-up, at INFO on MLflow's own handler.
 MLFLOW_DB_SETUP = ("mlflow.store.db.utils",)
+# MLflow's system-metrics monitor says at INFO that it started, stops, stopped, and skips GPUs.
+MLFLOW_SYSTEM_METRICS = ("mlflow.system_metrics.system_metrics_monitor",)
 
 
 @contextmanager

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from raymp.config import RunConfig, flatten, resolved_dict
-from raymp.logs import MLFLOW_DB_SETUP, quiet_loggers
+from raymp.logs import MLFLOW_DB_SETUP, MLFLOW_SYSTEM_METRICS, quiet_loggers
 from raymp.storage import local_artifact_root
 from raymp.tracking_store import tracking_uri
 
@@ -88,6 +88,8 @@ class RunTracker:
             # GPU when present), on the driver's machine, in a thread of its own.
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
+            for name in MLFLOW_SYSTEM_METRICS:  # its thread logs too: quiet for the process, not a block
+                logging.getLogger(name).setLevel(logging.WARNING)
             self._system = SystemMetricsMonitor(
                 self.run_id, sampling_interval=cfg.tracking.system_metrics_interval_s,
                 resume_logging=self.resumed, tracking_uri=self.uri)

@@ -22,10 +22,11 @@ NOISE = ("WARNING", " INFO ", "Traceback", "Fatal Python error", "Warning:", "SI
 
 
 def test_train_tiny_prints_falling_loss_and_nothing_else(tmp_path):
-    """Its own cache: preparing the data (Ray Data's tasks) is part of what must print cleanly."""
+    """Its own cache: preparing the data (Ray Data's tasks) is part of what must print cleanly, and
+    so is MLflow's system-metrics monitor."""
     out = raymp("train", "configs/tiny.yaml", "--set", "train.steps=12", "--set", "train.log_every=4",
                 "--set", "optimizer.warmup_steps=2", "--set", f"output_dir={tmp_path}",
-                "--set", f"data.cache_dir={tmp_path / 'cache'}")
+                "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "tracking.system_metrics=true")
     assert out.returncode == 0, out.stdout + out.stderr
     printed = out.stdout + out.stderr
     assert not [word for word in NOISE if word in printed], printed
