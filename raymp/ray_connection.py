@@ -11,16 +11,21 @@ import ray
 from raymp.logs import RAY_LOCAL_START, quiet_loggers
 
 
+def _cluster_address(address: str | None) -> str | None:
+    """The cluster to join: the one given, else the one this process runs in (ray job submit)."""
+    return address or os.environ.get("RAY_ADDRESS") or None
+
+
 def starts_local(address: str | None) -> bool:
     """Whether connect(address, ...) would start a local instance (none joined yet, no address)."""
-    return not ray.is_initialized() and not (address or os.environ.get("RAY_ADDRESS"))
+    return not ray.is_initialized() and _cluster_address(address) is None
 
 
 def connect(address: str | None, min_cpus: float) -> None:
     """Join the cluster (ray.init), or start a local instance with at least `min_cpus` logical CPUs."""
     if ray.is_initialized():
         return
-    address = address or os.environ.get("RAY_ADDRESS")
+    address = _cluster_address(address)
     if address:
         ray.init(address=address, log_to_driver=True)
         return
