@@ -157,7 +157,7 @@ class Layout:
         return [r for start in range(0, self.world_size, self.tp)
                 if alive.issuperset(group := range(start, start + self.tp)) for r in group]
 
-    def keeping(self, replicas: int) -> dict[str, int]:
+    def settings_keeping(self, replicas: int) -> dict[str, int]:
         """The parallel settings that go on with `replicas` of its state replicas (the survivors')."""
         return {"dp": replicas} if self.zero == 0 else {"dp": replicas * self.dp_shard, "dp_replicate": replicas}
 

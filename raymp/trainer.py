@@ -26,7 +26,7 @@ from raymp.data import DataPosition
 from raymp.driver.feed import DataFeed
 from raymp.driver.health import NonFinitePolicy
 from raymp.driver.launch import Launcher, as_config, check_vocab, num_params
-from raymp.driver.run_setup import check_destinations, open_lineage, removed_if_setup_fails, said_resume
+from raymp.driver.run_setup import check_destinations, open_lineage, removed_if_setup_fails, say_resume
 from raymp.driver.session import Session
 from raymp.driver.summary import describe, memory_rows, summary
 from raymp.driver.tracking_hooks import NoTracking, RunTracking
@@ -111,7 +111,7 @@ class Trainer:
                 ScalingPolicy(lay, self.device, self.feed.node, cfg.elastic.grow_back), say)
             self.resumed_from = resume = self.session.launch(self._resume_position)
         if resume is not None:
-            said_resume(resume, self.config, self._log)
+            say_resume(resume, self.config, self._log)
         if note := warmup_note(cfg.optimizer, cfg.train.steps):
             self._log(note)
         self.session.initial_position = self.feed.start if resume is None else None
@@ -157,7 +157,7 @@ class Trainer:
 
     # -- the step loop ------------------------------------------------------------------------
 
-    def step(self, _then_until: int = 0) -> dict:
+    def step(self, _dispatch_ahead_until: int = 0) -> dict:
         """Run one optimizer step on every actor and return the aggregated metrics. (fit() passes
         its target: the next step may then be queued on the actors early, train.dispatch_ahead.)"""
         self.setup()
@@ -166,7 +166,7 @@ class Trainer:
         if step >= t.steps:
             raise RuntimeError(f"the run is complete: train.steps={t.steps} steps done")
         eval_due = self.feed.eval_due(step, t)
-        ahead = t.dispatch_ahead and step + 1 < _then_until and not (eval_due or joining or self.on_event)
+        ahead = t.dispatch_ahead and step + 1 < _dispatch_ahead_until and not (eval_due or joining or self.on_event)
         reports, metrics = self.session.run_step(step, next_may_start=ahead)
         self.feed.next_step += 1
         metrics["restarts"] = len(self.restarts)
@@ -197,7 +197,7 @@ class Trainer:
         try:
             while self.global_step < target:
                 try:
-                    bar.update(self.step(_then_until=target))
+                    bar.update(self.step(_dispatch_ahead_until=target))
                     if self.on_event is not None:
                         self.on_event("step", {"done": self.global_step})
                 except WorkerLostError as lost:

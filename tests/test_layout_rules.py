@@ -181,5 +181,5 @@ def test_whole_replicas_are_those_every_rank_of_which_survived():
     # HSDP: a whole copy of the state is a group of shards; its survivors keep the shard size.
     hsdp = Layout(dp=4, zero=3, dp_replicate=2)
     assert hsdp.state_replicas == 2 and hsdp.replica_of(1) == [0, 1] and hsdp.whole_replicas([1, 2, 3]) == [[2, 3]]
-    assert hsdp.keeping(1) == {"dp": 2, "dp_replicate": 1} and Layout(dp=4).keeping(3) == {"dp": 3}
+    assert hsdp.settings_keeping(1) == {"dp": 2, "dp_replicate": 1} and Layout(dp=4).settings_keeping(3) == {"dp": 3}
     assert Layout(dp=4, zero=3).state_replicas == 1 and Layout(dp=4).state_replicas == 4

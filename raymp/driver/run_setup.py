@@ -82,7 +82,7 @@ def open_lineage(cfg: RunConfig, run_dir: str, log, data_position=None) -> Linea
     return lineage
 
 
-def said_resume(resume: Checkpoint, cfg: RunConfig, log) -> None:
+def say_resume(resume: Checkpoint, cfg: RunConfig, log) -> None:
     """One line on what a resume restores, and each setting the config changes against it."""
     log(f"resuming from {resume.path} (step {resume.step}, saved with "
         f"{Layout.from_record(resume.meta['layout']).text()}): weights, optimizer state, LR schedule position "

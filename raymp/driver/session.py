@@ -136,7 +136,7 @@ class Session:
         longer go on: its other ranks are let go at once, so none of their peers waits on them."""
         self._unread += self.group.abandon_steps()
         if lost_rank is not None and self.config.parallel.layout.state_replicas > 1:  # else: the whole group
-            self.group.let_go(self.config.parallel.layout.replica_of(lost_rank))
+            self.group.kill_ranks(self.config.parallel.layout.replica_of(lost_rank))
         kept = self.group.survivors("keep_state", self.config.resources.collective_timeout_s,
                                     COLLECTIVE_KNOB, self.config.elastic.survivor_grace_s,
                                     "elastic.survivor_grace_s")
@@ -154,7 +154,8 @@ class Session:
             except Exception:
                 pass
 
-    def go_on_with(self, ranks: list[int], config: RunConfig, kept: bool) -> tuple[Checkpoint | None, list[int]]:
+    def continue_on_ranks(self, ranks: list[int], config: RunConfig,
+                          kept: bool) -> tuple[Checkpoint | None, list[int]]:
         """The run again on the live `ranks` (same processes, in order) with `config`'s layout:
         `kept`, their state from memory (whole copies of it, elastic.with_replicas) from the step
         that failed; else set up anew and restored like a restart (a peer copy, else the lineage).

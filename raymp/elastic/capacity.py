@@ -73,11 +73,11 @@ def with_dp(cfg: RunConfig, dp: int) -> RunConfig:
 
 
 def with_replicas(cfg: RunConfig, replicas: int) -> RunConfig:
-    """The run with `replicas` of its whole copies of the state (Layout.keeping): dp replicas
+    """The run with `replicas` of its whole copies of the state (Layout.settings_keeping): dp replicas
     under ZeRO-0, HSDP groups of the same shard size under ZeRO 2-3 (only keep_survivors runs get
     here). Down to one copy under ZeRO, a next loss leaves none whole, so keep_survivors is off
     (the config rule would refuse it) until replicas join again."""
-    keeping = cfg.parallel.layout.keeping(replicas)
+    keeping = cfg.parallel.layout.settings_keeping(replicas)
     overrides = [f"parallel.{k}={v}" for k, v in keeping.items()]
     if cfg.parallel.zero > 0:
         overrides.append(f"elastic.keep_survivors={str(replicas > 1).lower()}")

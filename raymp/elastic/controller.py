@@ -47,7 +47,7 @@ class ElasticRun(Protocol):
 
     def keep_survivors(self, lost_rank: int | None) -> dict[int, int]: ...
 
-    def go_on_with(self, ranks: list[int], config, kept: bool) -> tuple[Checkpoint | None, list[int]]: ...
+    def continue_on_ranks(self, ranks: list[int], config, kept: bool) -> tuple[Checkpoint | None, list[int]]: ...
 
     def joinable_replicas(self) -> int: ...
 
@@ -259,7 +259,7 @@ class ElasticController:
                    f"{len(replicas)} whole copies of the state split the global batch into no valid dp")
             return self._survivors_reload(lost, in_flight, sorted(kept), t0, why)
         before = layout.record()
-        _, pids = self.run.go_on_with([r for ranks in replicas[:n] for r in ranks],
+        _, pids = self.run.continue_on_ranks([r for ranks in replicas[:n] for r in ranks],
                                       with_replicas(self.run.config, n), kept=True)
         return {**self._event("failure", lost, in_flight, before), "recovery": "survivors",
                 "resumed_step": at, "checkpoint": None, "wait_for_resources_s": 0.0,
@@ -280,7 +280,7 @@ class ElasticController:
             return why
         self.say(f"elastic: the survivors cannot go on with their state ({why}); they reload it")
         before = lay.record()
-        restored, pids = self.run.go_on_with(ranks[:dp * per], with_dp(cfg, dp), kept=False)
+        restored, pids = self.run.continue_on_ranks(ranks[:dp * per], with_dp(cfg, dp), kept=False)
         return {**self._event("failure", lost, in_flight, before), "recovery": "survivors reloaded",
                 "resumed_step": restored.step if restored else 0, "checkpoint": restored.path if restored else None,
                 "wait_for_resources_s": 0.0, "relaunch_s": time.monotonic() - t0, "pids": pids}

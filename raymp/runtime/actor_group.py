@@ -98,7 +98,7 @@ class ActorGroup:
                 continue
         if not alive:
             raise WorkerLostError(f"no surviving rank ended its failed step in time ({knob})", None, "timeout")
-        self.let_go(rank_of[ref] for ref in pending)
+        self.kill_ranks(rank_of[ref] for ref in pending)
         return alive
 
     def abandon_steps(self) -> list:
@@ -107,7 +107,7 @@ class ActorGroup:
         for the caller to read (a dead rank's fails)."""
         return [w.abandon_step.remote(self.formation) for w in self.workers]
 
-    def let_go(self, ranks) -> None:
+    def kill_ranks(self, ranks) -> None:
         """Kill these ranks' actors (their sockets close with them, so no peer waits on them)."""
         for rank in ranks:
             try:
@@ -120,7 +120,7 @@ class ActorGroup:
         ones join a new process group among themselves, keeping their processes and memory.
         (The placement groups stay: a lost node's bundle waits to be re-placed by Ray, where
         grow() can start a rank again.)"""
-        self.let_go(r for r in range(len(self.workers)) if r not in ranks)
+        self.kill_ranks(r for r in range(len(self.workers)) if r not in ranks)
         self.workers = [self.workers[r] for r in ranks]
         self.placement.keep(ranks)
         self.world_size = len(ranks)
