@@ -4,7 +4,7 @@ not restated."""
 
 from __future__ import annotations
 
-from raymp.layout import runs_on_fsdp
+from raymp.layout import LayoutError, runs_on_fsdp
 from raymp.models.shape import TOKENIZER_VOCAB, model_shape
 from raymp.storage import default_tracking_uri
 
@@ -15,6 +15,14 @@ CPU_OFFLOAD_ON_CPU = (
 )
 
 
+def layout_problems(cfg, layout) -> list[str]:
+    """Why `layout` cannot run the config's model at its batch and sequence (raymp.layout's rules,
+    asked with the config's model shape): what check_run refuses a layout for."""
+    t, tokenizer = cfg.train, cfg.data.tokenizer
+    return layout.problems(model_shape(cfg.model, TOKENIZER_VOCAB.get(tokenizer), tokenizer),
+                           t.global_batch_size, t.seq_len)
+
+
 def check_run(cfg) -> None:
     """Cross-section checks. Each raises with the offending field's dotted name and a fix. The
     layout's own rules are raymp.layout's; they are asked here, not restated."""
@@ -23,8 +31,8 @@ def check_run(cfg) -> None:
         from raymp.data.tokenizers import get_tokenizer
 
         get_tokenizer(cfg.data.tokenizer)
-    tokenizer = cfg.data.tokenizer
-    p.layout.check(model_shape(m, TOKENIZER_VOCAB.get(tokenizer), tokenizer), t.global_batch_size, t.seq_len)
+    for problem in layout_problems(cfg, p.layout):
+        raise LayoutError(problem)
     devices = cfg.resources.devices
     if devices is not None and devices != p.world_size:
         raise ValueError(
@@ -69,6 +77,7 @@ def check_run(cfg) -> None:
         )
     if t.compile and (reason := compile_unsupported(cfg)):
         raise ValueError(reason)
+    tokenizer = cfg.data.tokenizer
     if problem := vocab_too_small(m.vocab_size, tokenizer, TOKENIZER_VOCAB.get(tokenizer)):
         raise ValueError(problem)
     if cfg.tracking.enabled and cfg.tracking.tracking_uri is None:

@@ -7,11 +7,12 @@ micro-batches, so the loss curve goes on as if nothing happened.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ray
 
 from raymp.config import RunConfig, config_from_dict, resolved_dict
+from raymp.config.rules import layout_problems
 
 
 class ElasticError(RuntimeError):
@@ -49,17 +50,22 @@ def capacity(cfg: RunConfig, device: str, reserve_node: str | None, reserve_cpus
 def largest_valid_dp(cfg: RunConfig, limit: int) -> int | None:
     """The largest dp <= limit the config accepts (the global batch must split into whole
     micro-batches per replica, and the schedule may need a minimum count of them)."""
-    return _largest_valid(cfg, limit, with_dp)
+    return _largest_valid(cfg, limit, with_dp, lambda n: {"dp": n})
 
 
 def largest_valid_replicas(cfg: RunConfig, limit: int) -> int | None:
     """The most whole copies of the state (Layout.state_replicas) <= limit that survivors can go
     on with: the layout with_replicas() makes must validate."""
-    return _largest_valid(cfg, limit, with_replicas)
+    return _largest_valid(cfg, limit, with_replicas, cfg.parallel.layout.settings_keeping)
 
 
-def _largest_valid(cfg: RunConfig, limit: int, build) -> int | None:
+def _largest_valid(cfg: RunConfig, limit: int, build, settings) -> int | None:
+    """The largest n <= limit whose config `build(cfg, n)` validates. Candidates are screened by
+    the layout rules alone (`settings(n)`, the parallel settings build() changes): a whole
+    config is built and validated once per candidate that passes them, not once per n."""
     for n in range(limit, 0, -1):
+        if layout_problems(cfg, replace(cfg.parallel.layout, **settings(n))):
+            continue
         try:
             build(cfg, n)
             return n
