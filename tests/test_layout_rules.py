@@ -183,3 +183,16 @@ def test_whole_replicas_are_those_every_rank_of_which_survived():
     assert hsdp.state_replicas == 2 and hsdp.replica_of(1) == [0, 1] and hsdp.whole_replicas([1, 2, 3]) == [[2, 3]]
     assert hsdp.settings_keeping(1) == {"dp": 2, "dp_replicate": 1} and Layout(dp=4).settings_keeping(3) == {"dp": 3}
     assert Layout(dp=4, zero=3).state_replicas == 1 and Layout(dp=4).state_replicas == 4
+
+
+def test_elastic_replanning_validates_one_whole_config_not_one_per_dp_tried():
+    """dp 7, 6 and 5 cannot split a global batch of 8 into whole micro-batches: the layout rules screen
+    them out, and the one whole config built is dp=4's."""
+    from raymp.elastic.capacity import _largest_valid, largest_valid_dp, with_dp
+
+    cfg = config_from_dict({"parallel": {"dp": 8, "micro_batch_size": 1},
+                            "train": {"global_batch_size": 8, "seq_len": 32}, "model": {"preset": "tiny"}})
+    built = []
+    assert _largest_valid(cfg, 7, lambda c, n: built.append(n) or with_dp(c, n), lambda n: {"dp": n}) == 4
+    assert built == [4]
+    assert largest_valid_dp(cfg, 3) == 2 and largest_valid_dp(cfg, 8) == 8
