@@ -1,0 +1,208 @@
+"""The elastic controller's state machine without actors: a scripted run (the ElasticRun
+interface) and scripted failures drive it through every state and transition, and each path's
+restart event says what happened. The fault matrix runs the same paths with real actors."""
+
+from __future__ import annotations
+
+import pytest
+
+from raymp.checkpoint.store import Checkpoint, CheckpointError
+from raymp.config import config_from_dict
+from raymp.elastic.capacity import ElasticError, with_dp
+from raymp.elastic.controller import ElasticController, FailurePolicy, Phase
+from raymp.runtime.actor_group import WorkerLostError
+
+
+def _config(**elastic):
+    return config_from_dict({"parallel": {"dp": 2, "zero": 0, "micro_batch_size": 1},
+                             "train": {"global_batch_size": 8, "seq_len": 32}, "model": {"preset": "tiny"},
+                             "elastic": {"max_restarts": 2, **elastic}})
+
+
+class ScriptedRun:
+    """The ElasticRun interface, answering from a script: `relaunch_faults` are raised by the
+    next relaunches, in order (then it succeeds); `held` is what keep_survivors reports."""
+
+    def __init__(self, config, step: int = 5, relaunch_faults=(), held=None):
+        self.config, self.group, self.global_step = config, object(), step
+        self.relaunch_faults, self.held = list(relaunch_faults), held
+        self.calls: list[str] = []
+        self.events: list[dict] = []
+
+    def abandon_save(self):
+        self.calls.append("abandon_save")
+        return None, None
+
+    def commit_in_flight(self):
+        self.calls.append("commit_in_flight")
+
+    def teardown(self):
+        self.calls.append("teardown")
+        self.group = None
+
+    def relaunch(self, dp):
+        self.calls.append(f"relaunch({dp})")
+        if self.relaunch_faults:
+            raise self.relaunch_faults.pop(0)
+        self.config, self.group = with_dp(self.config, dp), object()
+        return Checkpoint("ck/step-00000004", 4, {})
+
+    def keep_survivors(self, lost_rank):
+        self.calls.append(f"keep_survivors({lost_rank})")
+        layout = self.config.parallel.layout
+        held = self.held if self.held is not None else self.global_step
+        return {r: held for r in range(layout.world_size) if r not in layout.replica_of(lost_rank)}
+
+    def continue_on_ranks(self, ranks, config, kept):
+        self.calls.append(f"continue_on_ranks({ranks}, kept={kept})")
+        self.config = config
+        return None, [100 + r for r in ranks]
+
+    def joinable_replicas(self):
+        return 1
+
+    def has_free_bundles(self):
+        return True
+
+    def join_live(self, replicas):
+        self.calls.append(f"join_live({replicas})")
+        self.config = with_dp(self.config, replicas)
+        return [100]
+
+    def on_restart(self, event):
+        self.events.append(event)
+
+
+class ScriptedScaling:
+    def __init__(self, dp_after_failure=1, grow_to=None, join=None):
+        self.dp_after_failure, self._grow_to, self._join = dp_after_failure, grow_to, join
+
+    def after_failure(self, cfg, log):
+        return self.dp_after_failure, 0.0
+
+    def grow_to(self, cfg):
+        return self._grow_to
+
+    def replicas_to_join(self, cfg, free):
+        return self._join
+
+
+def _controller(run, scaling=None, shared=False):
+    said = []
+    controller = ElasticController(run, FailurePolicy(run.config.elastic, shared), scaling or ScriptedScaling(),
+                                   said.append)
+    return controller, said
+
+
+def _phases(controller) -> list[str]:
+    return [phase for phase, _ in controller.transitions]
+
+
+def _lost(kind="died", rank=1, step=5):
+    return WorkerLostError(f"rank {rank} lost", rank, kind, step)
+
+
+def test_a_failure_restarts_from_the_lineage():
+    run = ScriptedRun(_config())
+    controller, said = _controller(run)
+    event = controller.recover(_lost())
+    assert _phases(controller) == ["running", "recovering", "running"] and controller.phase is Phase.RUNNING
+    assert event["recovery"] == "restart" and event["reason"] == "failure" and event["resumed_step"] == 4
+    assert event["attempts"] == 1 and event["failed_step"] == 5 and run.events == [event]
+    assert run.calls == ["abandon_save", "teardown", "relaunch(1)"]
+    assert any("1 step(s) to redo" in line for line in said)
+
+
+def test_survivors_go_on_with_their_state():
+    run = ScriptedRun(_config(keep_survivors=True))
+    controller, _ = _controller(run)
+    event = controller.recover(_lost(rank=1))
+    assert event["recovery"] == "survivors" and event["resumed_step"] == 5 and event["checkpoint"] is None
+    assert run.calls == ["abandon_save", "keep_survivors(1)", "continue_on_ranks([0], kept=True)"]
+    assert run.config.parallel.dp == 1
+
+
+def test_survivors_ahead_of_the_run_are_refused_and_the_run_restarts():
+    """A rank lost after its step's last collective: the survivors took the step (held 6 at 5)."""
+    run = ScriptedRun(_config(keep_survivors=True), held=6)
+    controller, _ = _controller(run)
+    event = controller.recover(_lost(rank=1))
+    assert event["recovery"] == "restart" and "the run is at step 5" in event["survivors_refused"]
+    assert run.calls[-2:] == ["teardown", "relaunch(1)"]
+
+
+def test_a_hung_step_never_asks_the_survivors():
+    run = ScriptedRun(_config(keep_survivors=True))
+    controller, _ = _controller(run)
+    event = controller.recover(_lost(kind="timeout"))
+    assert event["recovery"] == "restart" and not any(c.startswith("keep_survivors") for c in run.calls)
+
+
+def test_a_fault_while_relaunching_is_a_new_failure_and_is_retried():
+    run = ScriptedRun(_config(), relaunch_faults=[WorkerLostError("a node went while starting", 0, "died")])
+    controller, _ = _controller(run)
+    event = controller.recover(_lost())
+    assert event["attempts"] == 2 and len(controller.failures) == 2
+    assert _phases(controller) == ["running", "recovering", "running"]
+    assert run.calls.count("teardown") == 2
+
+
+def test_too_many_failures_give_up_and_fail():
+    faults = [WorkerLostError(f"fault {i}", 0, "died") for i in range(5)]
+    run = ScriptedRun(_config(), relaunch_faults=faults)
+    controller, _ = _controller(run)
+    with pytest.raises(ElasticError, match=r"giving up after 3 failures \(elastic.max_restarts=2\)"):
+        controller.recover(_lost())
+    assert _phases(controller) == ["running", "recovering", "failed"] and controller.phase is Phase.FAILED
+
+
+def test_no_intact_state_fails_at_once():
+    run = ScriptedRun(_config(), relaunch_faults=[CheckpointError("no intact checkpoint in this run's lineage")])
+    controller, _ = _controller(run)
+    with pytest.raises(CheckpointError):
+        controller.recover(_lost())
+    assert controller.phase is Phase.FAILED and len(controller.failures) == 1
+
+
+def test_a_refused_failure_changes_no_state():
+    run = ScriptedRun(_config(enabled=False))
+    controller, _ = _controller(run)
+    with pytest.raises(WorkerLostError, match=r"the run stopped \(elastic.enabled is false\)"):
+        controller.recover(_lost())
+    assert _phases(controller) == ["running"] and run.calls == []
+
+
+def test_growing_back_resizes_and_a_fault_while_growing_is_a_failure():
+    run = ScriptedRun(_config())
+    run.config = with_dp(run.config, 1)
+    controller, _ = _controller(run, ScriptedScaling(grow_to=2))
+    event = controller.grow()
+    assert event["reason"] == "grow" and run.config.parallel.dp == 2
+    assert _phases(controller) == ["running", "resizing", "running"]
+
+    failing = ScriptedRun(_config(), relaunch_faults=[WorkerLostError("lost while growing", 1, "died")])
+    failing.config = with_dp(failing.config, 1)
+    controller, _ = _controller(failing, ScriptedScaling(grow_to=2, dp_after_failure=1))
+    event = controller.grow()
+    assert event["reason"] == "failure" and len(controller.failures) == 1
+    assert _phases(controller) == ["running", "resizing", "running", "recovering", "running"]
+
+
+def test_replicas_join_live_between_steps():
+    run = ScriptedRun(_config())
+    run.config = with_dp(run.config, 1)
+    controller, _ = _controller(run, ScriptedScaling(join=2))
+    assert controller.join_if_room(now=False) is True and run.calls == []  # due, not yet
+    assert controller.join_if_room(now=True) is False
+    (event,) = run.events
+    assert event["recovery"] == "live join" and event["checkpoint"] is None and run.calls == ["join_live(2)"]
+    assert _phases(controller) == ["running", "resizing", "running"]
+
+
+def test_a_rewind_commits_the_save_in_flight_and_relaunches_at_the_same_layout():
+    run = ScriptedRun(_config())
+    controller, _ = _controller(run)
+    event = controller.rewind(5, "step 5: non-finite gradient norm nan")
+    assert event["reason"] == "nonfinite" and event["failed_step"] == 5 and event["resumed_step"] == 4
+    assert run.calls == ["commit_in_flight", "teardown", "relaunch(2)"]
+    assert _phases(controller) == ["running", "recovering", "running"]
