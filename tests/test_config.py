@@ -129,6 +129,9 @@ BAD = {
                                    "train": {"seq_len": 30}}, ["train.seq_len (30)", "multiple of 4"]),
     "zero 1 with tp": ({"parallel": {"tp": 2, "zero": 1}}, ["parallel.zero=1", "parallel.zero=2"]),
     "unknown tokenizer": ({"data": {"tokenizer": "sentencepiece"}}, ["data.tokenizer"]),
+    "restore without checkpoints": ({"train": {"on_nonfinite": "restore"}, "checkpoint": {"every": 0}},
+                                    ["train.on_nonfinite=restore", "checkpoint.every=0", "set checkpoint.every"]),
+    "unknown nonfinite policy": ({"train": {"on_nonfinite": "ignore"}}, ["train.on_nonfinite", "skip", "restore"]),
 }
 
 

@@ -13,7 +13,8 @@ from raymp.driver.health import NonFiniteError, NonFinitePolicy, StepDeadline
 
 def _policy(**train):
     said = []
-    return NonFinitePolicy(config_from_dict({"train": train}).train, said.append), said
+    cfg = config_from_dict({"train": train, "checkpoint": {"every": 2}})  # restore needs checkpoints
+    return NonFinitePolicy(cfg.train, said.append), said
 
 
 def _step(step: int, finite: bool = True) -> dict:

@@ -75,6 +75,9 @@ def check_run(cfg) -> None:
             "forward each token's document id); a model.factory module takes tokens only: set "
             "data.document_mask=false"
         )
+    if t.on_nonfinite == "restore" and not cfg.checkpoint.every:
+        raise ValueError("train.on_nonfinite=restore goes back to the newest checkpoint, and checkpoint.every=0 "
+                         "writes none (the run would start over): set checkpoint.every, or train.on_nonfinite=skip")
     if t.compile and (reason := compile_unsupported(cfg)):
         raise ValueError(reason)
     tokenizer = cfg.data.tokenizer
