@@ -107,3 +107,7 @@ def test_gpu_configs_fit_their_cluster_by_the_planner(name):
                      cfg.train.seq_len, cfg.precision == "bf16")
     peak = max(r.total_bytes for r in ranks)
     assert peak <= 0.9 * cluster.gpu_memory_gb * 1e9, f"{name}: {peak / 1e9:.1f} GB"
+    # cluster/README.md's table quotes this estimate: it must be the planner's, not an old one.
+    row = next(line for line in (ROOT / "cluster" / "README.md").read_text().splitlines()
+               if line.startswith(f"| `{name}` |"))
+    assert row.rstrip(" |").endswith(f"{peak / 1e9:.1f} GB"), (row, f"{peak / 1e9:.1f} GB")
