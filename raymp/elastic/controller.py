@@ -1,6 +1,7 @@
 """Recovery as a small state machine, with the two decisions in it as policy objects.
 
     RUNNING --failure--> RECOVERING --relaunched--> RUNNING
+    RUNNING --non-finite step, train.on_nonfinite=restore--> RECOVERING (rewind) --relaunched--> RUNNING
     RUNNING --checkpoint committed, room to grow--> RESIZING --relaunched--> RUNNING
     RUNNING --a lost node's bundles placed again--> RESIZING --joined from live peers--> RUNNING
     RECOVERING --a fault while relaunching--> RECOVERING (counted as a new failure)
