@@ -26,7 +26,6 @@ from raymp.tracking_store import tracking_uri
 _MAX_METRICS, _MAX_PARAMS = 1000, 100
 
 
-
 def artifact_location(uri: str, output_dir: str) -> str | None:
     """Where a new experiment keeps its artifacts. A server (http, https, databricks) and a
     file store have their own root (None). A database has none, and MLflow would then write to
@@ -40,6 +39,7 @@ def artifact_location(uri: str, output_dir: str) -> str | None:
         if path and path != ":memory:":
             return (Path(path).resolve().parent / "mlartifacts").as_uri()
     return local_artifact_root(output_dir)
+
 
 class RunTracker:
     """One MLflow run. With `resume_run_id` (a checkpoint's run), that run goes on: a job

@@ -105,6 +105,11 @@ class Entry:
     checkpoint: Checkpoint | None = None
     problem: str | None = None
 
+    @property
+    def committed(self) -> bool:
+        """It has a marker (readable or damaged): not a write still in flight or cut short."""
+        return self.checkpoint is not None or self.problem is not None
+
 
 class CheckpointStore:
     """The checkpoints of one run, under one directory (path or URI)."""
@@ -235,7 +240,7 @@ class CheckpointStore:
         one's place), everything older goes, and so do unfinished writes older than the newest
         committed one (a newer unfinished one may still be in flight)."""
         entries = self.scan()
-        done = [e for e in entries if e.checkpoint is not None or e.problem]
+        done = [e for e in entries if e.committed]
         newest = done[-1].step if done else -1
         keep, intact = set(), 0
         for e in reversed(done):
@@ -245,10 +250,9 @@ class CheckpointStore:
             intact += e.checkpoint is not None and not self.problems(e.checkpoint)
         removed = []
         for e in entries:
-            committed = e.checkpoint is not None or e.problem is not None
-            if (committed and e.step not in keep) or (not committed and e.step < newest):
+            if (e.committed and e.step not in keep) or (not e.committed and e.step < newest):
                 name = e.path.rsplit("/", 1)[-1]
-                if committed:  # uncommit first: a prune cut short must not leave a marker over missing shards
+                if e.committed:  # uncommit first: a prune cut short must not leave a marker over missing shards
                     self.fs.rm(f"{self._root}/{name}/{MARKER}")
                 self.fs.rm(f"{self._root}/{name}", recursive=True)
                 removed.append(name)

@@ -4,7 +4,7 @@ not restated."""
 
 from __future__ import annotations
 
-from raymp.layout import LayoutError, runs_on_fsdp
+from raymp.layout import runs_on_fsdp
 from raymp.models.shape import TOKENIZER_VOCAB, model_shape
 from raymp.storage import default_tracking_uri
 
@@ -15,12 +15,17 @@ CPU_OFFLOAD_ON_CPU = (
 )
 
 
+def _layout_inputs(cfg) -> tuple:
+    """What raymp.layout's rules need of a config: its model's shape, global batch, sequence."""
+    tokenizer = cfg.data.tokenizer
+    shape = model_shape(cfg.model, TOKENIZER_VOCAB.get(tokenizer), tokenizer)
+    return shape, cfg.train.global_batch_size, cfg.train.seq_len
+
+
 def layout_problems(cfg, layout) -> list[str]:
-    """Why `layout` cannot run the config's model at its batch and sequence (raymp.layout's rules,
-    asked with the config's model shape): what check_run refuses a layout for."""
-    t, tokenizer = cfg.train, cfg.data.tokenizer
-    return layout.problems(model_shape(cfg.model, TOKENIZER_VOCAB.get(tokenizer), tokenizer),
-                           t.global_batch_size, t.seq_len)
+    """Why `layout` cannot run the config's model at its batch and sequence (raymp.layout's rules):
+    what check_run refuses a layout for."""
+    return layout.problems(*_layout_inputs(cfg))
 
 
 def check_run(cfg) -> None:
@@ -31,8 +36,7 @@ def check_run(cfg) -> None:
         from raymp.data.tokenizers import get_tokenizer
 
         get_tokenizer(cfg.data.tokenizer)
-    for problem in layout_problems(cfg, p.layout):
-        raise LayoutError(problem)
+    p.layout.check(*_layout_inputs(cfg))
     devices = cfg.resources.devices
     if devices is not None and devices != p.world_size:
         raise ValueError(

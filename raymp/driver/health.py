@@ -75,21 +75,24 @@ class StepDeadline:
 
     def __init__(self, elastic):
         self.fixed, self.factor, self.floor = elastic.step_timeout_s, elastic.hang_factor, elastic.hang_floor_s
-        self.durations: list[float] = []  # this launch's step times, its first step included
+        self.new_launch()
 
     def new_launch(self) -> None:
-        self.durations = []
+        self.first_seen = False  # this launch's first step is done (and not counted)
+        self.slowest: float | None = None  # the slowest of this launch's steps after its first
 
     def observe(self, step_time_s: float) -> None:
-        self.durations.append(step_time_s)
+        if self.first_seen:
+            self.slowest = step_time_s if self.slowest is None else max(self.slowest, step_time_s)
+        self.first_seen = True
 
     def limit(self) -> tuple[float | None, str]:
         """(seconds to wait for the next step or None, the setting that gave them)."""
         if self.fixed is not None:
             return self.fixed, "elastic.step_timeout_s"
-        if not self.factor or len(self.durations) < 2:
+        slowest = self.slowest
+        if not self.factor or slowest is None:
             return None, "elastic.step_timeout_s"
-        slowest = max(self.durations[1:])
         seconds = max(self.floor, self.factor * slowest)
         return seconds, (f"the automatic step deadline, {seconds:.0f}s: elastic.hang_factor={self.factor:g} x the "
                          f"slowest step so far ({slowest:.2f}s), at least elastic.hang_floor_s={self.floor:g}")
