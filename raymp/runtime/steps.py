@@ -11,7 +11,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 from raymp.config.rules import compiles
 from raymp.layout import runs_under_autocast
-from raymp.loss import lm_loss
+from raymp.loss import loss_function
 from raymp.models.masks import document_ids, mask_kwargs
 from raymp.models.moe import moe_blocks, reset_routing, set_aux_grad_scale
 from raymp.models.spec import build_part, keep_only
@@ -97,7 +97,7 @@ class LocalStep:
         self.engine = _parallelize([model], spec, cfg, mesh, device, kept=kept)
         self.moe_blocks = moe_blocks(model)
         self._autocast_dtype = _autocast_dtype(cfg)
-        self.loss_meter = LossMeter()
+        self.loss_meter = LossMeter(cfg, device)
         self.meter = ActivationMeter()  # saved activations, loss included
 
     def _micro_batches(self, tokens: np.ndarray) -> list[torch.Tensor]:
@@ -123,7 +123,7 @@ class LocalStep:
             with self.engine.no_sync(i == n - 1), loss_context(self.cfg.parallel.tp):
                 with autocast_context(self.device, self._autocast_dtype), self.meter.hooks():
                     logits = self.engine.model(inputs, **masks)
-                    loss = self.loss_meter.measure(lm_loss, logits, labels)
+                    loss = self.loss_meter.measure(logits, labels)
                 del logits
                 (loss / n).backward()
             loss_sum += local_tensor(loss.detach())
@@ -146,7 +146,7 @@ class LocalStep:
         for batch in micro:
             inputs, labels, masks = self._split(batch)
             with loss_context(self.cfg.parallel.tp), autocast_context(self.device, self._autocast_dtype):
-                total += local_tensor(lm_loss(self.engine.model(inputs, **masks), labels)).double()
+                total += local_tensor(self.loss_meter.loss(self.engine.model(inputs, **masks), labels)).double()
         return _cp_mean(total, self.mesh) / len(micro)
 
 
@@ -155,18 +155,19 @@ class LossMeter:
     TP) and the peak bytes autograd keeps for the loss's backward. Shows that full logits are
     never materialised on one TP rank."""
 
-    def __init__(self):
+    def __init__(self, cfg, device):
+        self.loss = loss_function(compiles(cfg, device.type), device.type)
         self.meter = ActivationMeter()
         self.logits_bytes = 0
         self.measuring = True
 
-    def measure(self, loss_fn, logits, labels):
+    def measure(self, logits, labels):
         if not self.measuring:
-            return loss_fn(logits, labels)
+            return self.loss(logits, labels)
         local = local_tensor(logits)
         self.logits_bytes = max(self.logits_bytes, local.numel() * local.element_size())
         with self.meter.hooks():
-            return loss_fn(logits, labels)
+            return self.loss(logits, labels)
 
     def report(self) -> dict:
         out = {"logits_bytes": self.logits_bytes, "loss_saved_peak_bytes": self.meter.peak}
@@ -241,7 +242,7 @@ class PipelineStep:
         # balance loss's with them: its gradient keeps scale 1.
         self.moe_blocks = {name: b for m in modules for name, b in moe_blocks(m).items()}
         self.clock, self.meter = StepClock(), ActivationMeter()
-        self.loss_meter = LossMeter()
+        self.loss_meter = LossMeter(cfg, device)
         self._autocast_dtype = _autocast_dtype(cfg)
         self.stages = stages = [
             TimedStage(model, s, num_stages, device, group=self.pp_group, clock=self.clock,
@@ -279,7 +280,7 @@ class PipelineStep:
         stage = self.cfg.parallel.num_stages - 1
         with self.clock.span(stage, "F", self._loss_calls):
             self._loss_calls += 1
-            return self.loss_meter.measure(lm_loss, logits, labels)
+            return self.loss_meter.measure(logits, labels)
 
     def _inputs_and_labels(self, tokens):
         """The first stage splits its batch and sends the labels to the last stage, which
@@ -335,7 +336,7 @@ class PipelineStep:
                 with autocast_context(self.device, self._autocast_dtype), loss_context(p.tp if last else 1):
                     x = modules[s](x, **({} if doc_ids is None else {"document_ids": doc_ids.chunk(n)[mb]}))
                     if last:
-                        losses.append(float(local_tensor(lm_loss(x, labels.chunk(n)[mb]))))
+                        losses.append(float(local_tensor(self.loss_meter.loss(x, labels.chunk(n)[mb]))))
                 if s < p.num_stages - 1 and owner[s + 1] != self.pp_rank:
                     self._send_activation(x, owner[s + 1])
         for send in sends:
