@@ -6,7 +6,11 @@ Trains a Llama-1B-shaped model (preset `llama-1b`) on one GPU, each run for a fe
 - raymp dp=1 in bf16, eager and compiled (regional torch.compile, the default on CUDA);
 - raymp dp=1 in fp8 (torchao float8 linears in the blocks), tensorwise and rowwise scaling,
   compiled, each with its guardrail: its per-step losses against the compiled bf16 run's;
+- torchtitan 0.3.0's own train script on the same shape, sequence length and batch, bf16 and fp8
+  (rowwise, the only float8 recipe its converter offers), compiled as its configs compile
+  (benchmarks/torchtitan_peer.py says how it is set up offline);
 - raymp dp=N ZeRO-3 over NCCL when N >= 2 GPUs are visible.
+Every run trains on the KJV in GPT-2 tokens (the model keeps Llama's 128,256-entry vocabulary).
 The micro-batch and activation checkpointing are the planner's choice for the GPU's memory.
 For each: tokens/s, MFU against the GPU's dense bf16 peak (fp8 runs too, as torchtitan reports
 them) and against the plain loop, the CUDA peak memory beside the planner's estimate, the first
@@ -35,7 +39,7 @@ GUARD_BAND = 0.03
 # A learning rate at which bf16 itself trains smoothly on a 1B model: at raymp's default (3e-3, tuned
 # for the tiny presets) bf16 runs spike and part by 8% from each other, too wide for a guardrail.
 LR = 3e-4
-TORCHTITAN_ROW = "torchtitan 0.3.0, its own train script"
+TORCHTITAN = "torchtitan 0.3.0, its own train script"
 
 
 def options(argv=None) -> argparse.Namespace:
@@ -53,8 +57,11 @@ def options(argv=None) -> argparse.Namespace:
     parser.add_argument("--budget-s", type=float, default=390,
                         help="wall-clock budget for all runs; a run that would start past it is skipped")
     parser.add_argument("--skip-parity", action="store_true", help="leave out the fp32 parity table")
-    parser.add_argument("--torchtitan-note", default=None,
-                        help="why torchtitan's row was not run, when it was not (printed in its row)")
+    parser.add_argument("--skip-loss", action="store_true", help="leave out the loss-kernel table")
+    parser.add_argument("--skip-torchtitan", metavar="WHY", default=None,
+                        help="leave out torchtitan's rows, saying why in their place")
+    parser.add_argument("--only", nargs="+", metavar="TEXT", default=None,
+                        help="run only the runs whose names contain one of these (the plain loop always runs)")
     parser.add_argument("--out", default=os.path.join(REPO, "BENCHMARKS.md"),
                         help="the Markdown file whose GPU check section is replaced (or appended)")
     opts = parser.parse_args(argv)
@@ -119,7 +126,7 @@ def replace_section(text: str, new: str, title: str = TITLE) -> str:
     if start < 0:
         return text.rstrip("\n") + "\n\n" + new
     end = text.find("\n## ", start + len(title))
-    return text[:start] + new + ("" if end < 0 else text[end + 1:])
+    return text[:start] + new.rstrip("\n") + "\n" + ("" if end < 0 else "\n" + text[end + 1:])
 
 
 def existing_section(text: str, title: str = TITLE) -> str | None:
@@ -205,6 +212,55 @@ def parity_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def loss_rows(device: str, tokens: int, vocab: int, repeats: int = 5) -> list[dict]:
+    """The loss on its own (bf16 logits of one micro-batch, forward + backward): F.cross_entropy on
+    an fp32 copy (what raymp did before), raymp's blockwise loss eager and fused; time (median of
+    `repeats` after a warm-up), the memory the loss adds above its inputs, and the gradient's
+    largest difference from the fp32 one."""
+    import torch
+    import torch.nn.functional as F
+
+    from raymp.loss import lm_loss
+
+    g = torch.Generator(device=device).manual_seed(0)
+    logits = (torch.randn(tokens, vocab, device=device, generator=g) * 2).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (tokens,), device=device, generator=g)
+    ways = {"F.cross_entropy(logits.float())": lambda x: F.cross_entropy(x.float(), labels),
+            "raymp blockwise, eager": lambda x: lm_loss(x[None], labels[None]),
+            "raymp blockwise, fused (compiled)": lambda x: lm_loss(x[None], labels[None], fused=True)}
+    reference = None
+    rows = []
+    for name, fn in ways.items():
+        times = []
+        for _ in range(repeats + 1):
+            x = logits.detach().clone().requires_grad_()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            start = time.perf_counter()
+            fn(x).backward()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            extra = torch.cuda.max_memory_allocated() - base
+        grad = x.grad.float()
+        reference = grad if reference is None else reference
+        extra -= x.grad.numel() * x.grad.element_size()  # the gradient every way must write
+        rows.append({"way": name, "ms": 1000 * median(times[1:]), "extra_gib": extra / 2**30,
+                     "grad_diff": float((grad - reference).abs().max() / reference.abs().max())})
+        print(rows[-1], flush=True)
+        del x, grad
+    return rows
+
+
+def loss_table(rows: list[dict], tokens: int, vocab: int) -> str:
+    lines = [f"The loss alone on this GPU: bf16 logits of {tokens:,} tokens x {vocab:,} entries (one micro-batch), "
+             "forward + backward, median of 5 after a warm-up:", "",
+             "| loss | ms | memory above the logits and their gradient (GiB) | gradient vs the first row (max rel.) |",
+             "|---|---|---|---|"]
+    lines += [f"| {r['way']} | {r['ms']:.1f} | {r['extra_gib']:.2f} | {r['grad_diff']:.1e} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
 def planned_micro_batch(opts, gpu_gib: float) -> tuple[int, bool]:
     """The planner's micro-batch and activation checkpointing for this shape on one GPU of
     `gpu_gib`: the fastest layout that fits (the larger micro-batch among equals)."""
@@ -226,13 +282,32 @@ def the_runs(opts) -> dict:
     """name -> (GPUs, runner, config changes), in the order they run: what matters most first."""
     runs = {"plain torch loop (1 process), bf16 eager": (1, lambda cfg: _plain_loop(cfg, opts.steps), {}),
             "raymp dp=1, bf16 compiled": (1, _raymp, {"train": {"compile": True}}),
+            f"{TORCHTITAN}, bf16 compiled": (1, _torchtitan(opts), {}),
             "raymp dp=1, fp8 tensorwise compiled": (1, _raymp, {"precision": "fp8", "train": {"compile": True}}),
-            "raymp dp=1, bf16 eager": (1, _raymp, {"train": {"compile": False}}),
             "raymp dp=1, fp8 rowwise compiled": (1, _raymp, {"precision": "fp8", "train": {"compile": True},
-                                                             "float8": {"recipe": "rowwise"}})}
+                                                             "float8": {"recipe": "rowwise"}}),
+            f"{TORCHTITAN}, fp8 rowwise compiled": (1, _torchtitan(opts, "rowwise"), {"precision": "fp8"}),
+            "raymp dp=1, bf16 eager": (1, _raymp, {"train": {"compile": False}})}
+    if opts.skip_torchtitan is not None or opts.dry_run_on_cpu:
+        runs = {name: run for name, run in runs.items() if not name.startswith(TORCHTITAN)}
+    if opts.only:
+        runs = {name: run for i, (name, run) in enumerate(runs.items())
+                if i == 0 or any(text in name for text in opts.only)}
     if opts.gpus >= 2:
         runs[f"raymp dp={opts.gpus} ZeRO-3 (NCCL), bf16 compiled"] = (opts.gpus, _raymp, {"zero": 3, "train": {"compile": True}})
     return runs
+
+
+def _torchtitan(opts, fp8: str | None = None):
+    """The runner of torchtitan's row: its train script on the run's shape (the config's
+    global batch on one GPU), its peak as reserved memory (what its log reports)."""
+    def run(cfg: dict) -> dict:
+        from benchmarks import torchtitan_peer
+
+        r = torchtitan_peer.run(opts.steps, cfg["train"]["global_batch_size"], opts.seq_len, LR, fp8)
+        return {"step_s": r["step_s"], "losses": r["losses"], "peak_bytes": r["peak_gib"] * 2**30,
+                "estimate_bytes": None}
+    return run
 
 
 def _merge(cfg: dict, changes: dict) -> dict:
@@ -265,7 +340,40 @@ def main(argv=None) -> None:
     resolve_gpus(opts, visible, gpu_name)
     micro, checkpointed = planned_micro_batch(opts, gpu_gib)
     out = tempfile.mkdtemp(prefix="raymp-gpu-check-")
-    rows, bf16_losses, plain_mfu = [], None, None
+    vocab = model_args(config_from_dict(run_config("vocab", out, preset=opts.preset)).model, 256).vocab_size
+    loss_tokens = micro * opts.seq_len
+    rows, bf16_losses, plain_mfu, losses, parity = [], {}, None, [], []
+    rows_after = [] if opts.skip_torchtitan is None else [{"run": TORCHTITAN, "error": f"not run: {opts.skip_torchtitan}"}]
+
+    def write() -> None:
+        """The section as measured so far, into opts.out (replacing its predecessor)."""
+        setup = (f"`python -m benchmarks.gpu_check` on {visible} x {gpu_name} (dense bf16 peak "
+                 f"{opts.peak_tflops:g} TFLOP/s per GPU), torch {torch.__version__}. Model `{opts.preset}` (the KJV in "
+                 f"GPT-2 tokens), seq_len {opts.seq_len}, {opts.batch_per_gpu} sequences per GPU per step in micro-batches "
+                 f"of {micro} ({'with' if checkpointed else 'no'} activation checkpointing: the planner's choice for "
+                 f"{gpu_gib:.0f} GiB), fused AdamW at learning rate {LR:g} after one warm-up step, median step of steps "
+                 f"3..{opts.steps}. MFU is against the bf16 peak for "
+                 "every run, fp8 included. CUDA peak is torch.cuda.max_memory_allocated (the largest rank); the "
+                 "planner's estimate is model state and saved activations. Whole check: "
+                 f"{time.perf_counter() - began:.0f} s.")
+        notes = [f"fp8 guardrail: the mean loss of the last three steps within {GUARD_BAND:.0%} of the same trainer's "
+                 "compiled bf16 run's (same initial weights and batches).",
+                 f"{TORCHTITAN}: its llama3 registry's pieces with its 1B flavor (FlexAttention, its default; chunked "
+                 "cross-entropy; compiled model and loss), launched by torchrun; tokens/s and the losses are read from "
+                 "its per-step log (median step of steps 3..N, as above), its peak is the reserved memory that log "
+                 "reports. Its data loader packs the same KJV text with an end-of-text token after each verse, so its "
+                 "batches are not raymp's: its losses show it trained a comparable model, not the same batches.",
+                 "MFU counts 6 x parameters (the tied output projection once) + 12 x layers x dim x seq_len FLOPs per "
+                 "token for every run, torchtitan's included (its own formula)."]
+        text = (section(rows + rows_after, setup, notes)
+                + ("\n" + loss_table(losses, loss_tokens, vocab) if losses else "")
+                + ("\n" + parity_table(parity) if parity else ""))
+        with open(opts.out) as f:
+            current = f.read()
+        with open(opts.out + ".tmp", "w") as f:
+            f.write(replace_section(current, text))
+        os.replace(opts.out + ".tmp", opts.out)
+
     for name, (gpus, fn, changes) in the_runs(opts).items():
         if time.perf_counter() - began > opts.budget_s:
             rows.append({"run": name, "error": f"not run: the check's {opts.budget_s:.0f} s budget was spent"})
@@ -273,7 +381,7 @@ def main(argv=None) -> None:
         cfg = run_config(f"gpu-check-{gpus}", out, preset=opts.preset, seq_len=opts.seq_len, device=device,
                          precision="bf16", steps=opts.steps, dp=gpus, global_batch=opts.batch_per_gpu * gpus,
                          micro_batch=micro, cpus_per_actor=1 if opts.dry_run_on_cpu else 4,
-                         optimizer={"fused": True, "lr": LR})
+                         optimizer={"fused": True, "lr": LR}, data={"tokenizer": "gpt2"})
         cfg["parallel"]["activation_checkpointing"] = checkpointed
         cfg = _merge(cfg, changes)
         cfg["tracking"] = {"enabled": False, "peak_tflops_per_device": opts.peak_tflops}
@@ -284,6 +392,7 @@ def main(argv=None) -> None:
             traceback.print_exc()
             last = [line for line in str(exc).splitlines() if line.strip()][-1]  # a remote error's own line
             rows.append({"run": name, "error": f"failed: {' '.join(last.split())[:240]}"})
+            write()
             continue
         flops = step_flops(model_args(config_from_dict(cfg).model, 256), cfg["train"]["global_batch_size"], opts.seq_len)
         utilisation = mfu(flops, r["step_s"], gpus, opts.peak_tflops)
@@ -293,33 +402,19 @@ def main(argv=None) -> None:
                "estimate_gib": None if r["estimate_bytes"] is None else r["estimate_bytes"] / 2**30,
                "first_loss": r["losses"][0], "loss": r["losses"][-1], "losses": r["losses"],
                "wall_s": time.perf_counter() - t0}
-        if name == "raymp dp=1, bf16 compiled":
-            bf16_losses = r["losses"]
-        if cfg.get("precision") == "fp8" and bf16_losses:
-            row["guard"] = guardrail(r["losses"], bf16_losses)
+        titan = name.startswith(TORCHTITAN)
+        if "bf16 compiled" in name:  # each fp8 run's guardrail is its own trainer's bf16 run
+            bf16_losses[titan] = r["losses"]
+        if cfg.get("precision") == "fp8" and titan in bf16_losses:
+            row["guard"] = guardrail(r["losses"], bf16_losses[titan])
         rows.append(row)
         print({k: v for k, v in row.items() if k != "losses"}, flush=True)
-    rows.append({"run": TORCHTITAN_ROW, "error": opts.torchtitan_note or "not run"})
-    parity = [] if opts.skip_parity or time.perf_counter() - began > opts.budget_s else parity_rows(device, out)
-    setup = (f"`python -m benchmarks.gpu_check` on {visible} x {gpu_name} (dense bf16 peak "
-             f"{opts.peak_tflops:g} TFLOP/s per GPU), torch {torch.__version__}. Model `{opts.preset}` (byte "
-             f"vocabulary), seq_len {opts.seq_len}, {opts.batch_per_gpu} sequences per GPU per step in micro-batches "
-             f"of {micro} ({'with' if checkpointed else 'no'} activation checkpointing: the planner's choice for "
-             f"{gpu_gib:.0f} GiB), fused AdamW at learning rate {LR:g} after one warm-up step, median step of steps "
-             f"3..{opts.steps}. MFU is against the bf16 peak for "
-             "every run, fp8 included. CUDA peak is torch.cuda.max_memory_allocated (the largest rank); the "
-             "planner's estimate is model state and saved activations. Whole check: "
-             f"{time.perf_counter() - began:.0f} s.")
-    notes = [f"fp8 guardrail: the mean loss of the last three steps within {GUARD_BAND:.0%} of the compiled bf16 "
-             "run's (same initial weights and batches)."]
-    text = section(rows, setup, notes) + ("\n" + parity_table(parity) if parity else "")
-    print(text)
-    with open(opts.out) as f:
-        current = f.read()
-    tmp = opts.out + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(replace_section(current, text))
-    os.replace(tmp, opts.out)
+        write()  # what is measured so far, should the machine be taken back before the end
+    losses += [] if opts.skip_loss or opts.dry_run_on_cpu else loss_rows(device, loss_tokens, vocab)
+    write()
+    parity += [] if opts.skip_parity or time.perf_counter() - began > opts.budget_s else parity_rows(device, out)
+    write()
+    print(existing_section(open(opts.out).read()))
     print(f"wrote the GPU check section of {opts.out}")
 
 

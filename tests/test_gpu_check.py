@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.common import peak_tflops_of
-from benchmarks.gpu_check import (TITLE, TORCHTITAN_ROW, _merge, existing_section, guardrail, mfu, options,
+from benchmarks.gpu_check import (TITLE, TORCHTITAN, _merge, existing_section, guardrail, mfu, options,
                                   replace_section, resolve_gpus, section, the_runs)
 
 
@@ -33,11 +33,11 @@ def test_the_section_replaces_its_predecessor_only():
     row = {"run": "raymp dp=1", "gpus": 1, "tokens_per_s": 12345.6, "mfu": 0.412, "vs_plain": 0.97,
            "peak_gib": 30.25, "estimate_gib": 28.0, "first_loss": 10.5, "loss": 9.87654}
     fp8 = {**row, "run": "raymp fp8", "guard": guardrail([10.0, 9.0, 8.0], [10.0, 9.1, 8.1])}
-    failed = {"run": TORCHTITAN_ROW, "error": "not run: no network"}
+    failed = {"run": TORCHTITAN, "error": "not run: no network"}
     text = section([row, fp8, failed], "setup line", ["a note"])
     assert text.startswith(TITLE) and "| raymp dp=1 | 1 | 12,346 | 41.2% | 0.97x | 30.2 | 28.0 | 10.5000 | 9.8765 | - |" in text
     assert "| raymp fp8 | 1 |" in text and "within 3%: last 3 steps 0.74% apart, worst step 1.23%" in text
-    assert f"| {TORCHTITAN_ROW} | - | - | - | - | - | - | - | - | not run: no network |" in text
+    assert f"| {TORCHTITAN} | - | - | - | - | - | - | - | - | not run: no network |" in text
     assert text.endswith("- a note\n")
     doc = "# Benchmarks\n\n## 1. Data parallel\n\nrows\n"
     once = replace_section(doc, text)
@@ -72,8 +72,15 @@ def test_runs_most_important_first_and_configs_that_validate(tmp_path):
 
     opts = resolve_gpus(options([]), 1, "NVIDIA H100 80GB HBM3")
     runs = the_runs(opts)
-    assert list(runs)[:3] == ["plain torch loop (1 process), bf16 eager", "raymp dp=1, bf16 compiled",
-                              "raymp dp=1, fp8 tensorwise compiled"]
+    assert list(runs)[:4] == ["plain torch loop (1 process), bf16 eager", "raymp dp=1, bf16 compiled",
+                              f"{TORCHTITAN}, bf16 compiled", "raymp dp=1, fp8 tensorwise compiled"]
+    assert f"{TORCHTITAN}, fp8 rowwise compiled" in runs
+    assert not any(name.startswith(TORCHTITAN) for name in the_runs(resolve_gpus(
+        options(["--skip-torchtitan", "not installed"]), 1, "NVIDIA H100")))
+    only = the_runs(resolve_gpus(options(["--only", "fp8", "bf16 compiled"]), 1, "NVIDIA H100"))
+    assert list(only) == ["plain torch loop (1 process), bf16 eager", "raymp dp=1, bf16 compiled",
+                          f"{TORCHTITAN}, bf16 compiled", "raymp dp=1, fp8 tensorwise compiled",
+                          "raymp dp=1, fp8 rowwise compiled", f"{TORCHTITAN}, fp8 rowwise compiled"]
     assert not any("ZeRO-3" in name for name in runs)  # one GPU: no dp=N run
     assert any("ZeRO-3" in name for name in the_runs(resolve_gpus(options([]), 2, "NVIDIA H100")))
     for name, (gpus, _, changes) in runs.items():
@@ -84,3 +91,17 @@ def test_runs_most_important_first_and_configs_that_validate(tmp_path):
         assert parsed.train.compile is (False if "eager" in name and "raymp" in name else True if "raymp" in name else None)
     assert config_from_dict(_merge(run_config("x", str(tmp_path), device="cuda", precision="bf16"),
                                    runs["raymp dp=1, fp8 rowwise compiled"][2])).float8.recipe == "rowwise"
+
+
+def test_torchtitan_log_lines_give_the_timed_row():
+    from benchmarks.torchtitan_peer import parse_log, summarize
+
+    lines = [f"[rank0]:[titan] 2026-11-27 01:00:0{s},000 - root - INFO - \x1b[31mstep: {s:2}  \x1b[32mloss: {12 - s:8.5f}  "
+             f"grad_norm:  1.2345  memory: {30 + s:5.2f}GiB(38.00%)  tps: {40000 + 1000 * s:,}  tflops: 300.00  mfu: 30.00%"
+             for s in range(1, 6)]
+    rows = parse_log("\n".join(["noise", *lines, "[rank0]: Training completed"]))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and rows[2]["loss"] == 9.0 and rows[4]["tps"] == 45000
+    row = summarize(rows, batch=4, seq_len=2048)
+    assert row["step_s"] == pytest.approx(4 * 2048 / 44000) and row["peak_gib"] == 35.0 and row["losses"][0] == 11.0
+    with pytest.raises(RuntimeError, match="logged 2 training steps"):
+        summarize(rows[:2], 4, 2048)
