@@ -206,3 +206,19 @@ def test_a_rewind_commits_the_save_in_flight_and_relaunches_at_the_same_layout()
     assert event["reason"] == "nonfinite" and event["failed_step"] == 5 and event["resumed_step"] == 4
     assert run.calls == ["commit_in_flight", "teardown", "relaunch(2)"]
     assert _phases(controller) == ["running", "recovering", "running"]
+
+
+def test_a_resize_keeps_survivors_on_exactly_where_the_config_rule_allows_it():
+    """elastic.with_replicas and the config rule ask one predicate: under ZeRO, down to one whole
+    copy of the state, keep_survivors goes off, unless peer copies give the survivors a state."""
+    from raymp.elastic import with_replicas
+
+    def hsdp(**elastic):
+        return config_from_dict({"parallel": {"dp": 4, "dp_replicate": 2, "zero": 2, "micro_batch_size": 1},
+                                 "train": {"global_batch_size": 8, "seq_len": 32}, "model": {"preset": "tiny"},
+                                 "elastic": {"keep_survivors": True, **elastic}})
+
+    one = with_replicas(hsdp(), 1)
+    assert one.parallel.dp == 2 and not one.elastic.keep_survivors
+    assert with_replicas(one, 2).elastic.keep_survivors  # back on when a second copy joins
+    assert with_replicas(hsdp(peer_copy_every=2), 1).elastic.keep_survivors

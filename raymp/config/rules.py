@@ -48,7 +48,7 @@ def check_run(cfg) -> None:
             f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
             "lower train.seq_len or raise model.max_seq_len"
         )
-    if cfg.elastic.keep_survivors and p.layout.state_replicas < 2 and p.zero != 0 and not cfg.elastic.peer_copy_every:
+    if cfg.elastic.keep_survivors and not survivors_keep_state(p.zero, p.layout.state_replicas, cfg.elastic.peer_copy_every):
         raise ValueError(
             f"elastic.keep_survivors needs a second whole copy of the training state, but zero={p.zero} shards "
             "it over every dp rank, so a loss leaves none whole; set parallel.zero=0 (each dp replica holds "
@@ -145,6 +145,14 @@ def compile_unsupported(cfg) -> str | None:
                 "compiles a factory module whole, and torch miscompiles a tensor-parallel module compiled "
                 "whole; set train.compile=false or parallel.tp=1")
     return None
+
+
+def survivors_keep_state(zero: int, state_replicas: int, peer_copy_every: int | None) -> bool:
+    """Whether the survivors of a node loss still hold the training state to go on from: every dp
+    replica holds it under ZeRO-0; under ZeRO 1-3 a second whole copy (HSDP groups) or the peer
+    copies (elastic.peer_copy_every) must. The rule elastic.keep_survivors needs, at start and
+    at every resize (elastic.with_replicas)."""
+    return zero == 0 or state_replicas >= 2 or bool(peer_copy_every)
 
 
 def compiles(cfg, device_type: str) -> bool:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import ray
 
 from raymp.config import RunConfig, config_from_dict, resolved_dict
-from raymp.config.rules import layout_problems
+from raymp.config.rules import layout_problems, survivors_keep_state
 
 
 class ElasticError(RuntimeError):
@@ -81,12 +81,14 @@ def with_dp(cfg: RunConfig, dp: int) -> RunConfig:
 def with_replicas(cfg: RunConfig, replicas: int) -> RunConfig:
     """The run with `replicas` of its whole copies of the state (Layout.settings_keeping): dp replicas
     under ZeRO-0, HSDP groups of the same shard size under ZeRO 2-3 (only keep_survivors runs get
-    here). Down to one copy under ZeRO, a next loss leaves none whole, so keep_survivors is off
-    (the config rule would refuse it) until replicas join again."""
+    here). Where the survivors of a next loss would hold no state to go on from (one copy under
+    ZeRO without peer copies: config.rules.survivors_keep_state), keep_survivors is off until
+    replicas join again."""
     keeping = cfg.parallel.layout.settings_keeping(replicas)
     overrides = [f"parallel.{k}={v}" for k, v in keeping.items()]
     if cfg.parallel.zero > 0:
-        overrides.append(f"elastic.keep_survivors={str(replicas > 1).lower()}")
+        keep = survivors_keep_state(cfg.parallel.zero, replicas, cfg.elastic.peer_copy_every)
+        overrides.append(f"elastic.keep_survivors={str(keep).lower()}")
     return config_from_dict(resolved_dict(cfg), overrides)
 
 
