@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import datetime as _dt
 
+from raymp import metric_names as names
 from raymp.config import ConfigError
 
 COLUMNS = ("name", "run", "status", "layout", "steps", "loss", "val_loss", "tokens/s", "restarts", "started")
-COMPARED_METRICS = ("loss", "val_loss", "tokens_per_s_median", "tokens_per_s", "step_time_s", "mfu", "model_tflops_per_device",
-                    "data_wait_fraction", "bubble_fraction", "peak_mem_mb_max", "restarts")
+COMPARED_METRICS = (names.LOSS, names.VAL_LOSS, names.TOKENS_PER_S_MEDIAN, *(names.PER_STEP[k] for k in (
+    "tokens_per_s", "step_time_s", "mfu", "model_tflops_per_device", "data_wait_fraction", "bubble_fraction")),
+    names.PEAK_MEM, names.PER_STEP["restarts"])
 
 
 def _client(uri: str):
@@ -34,11 +36,11 @@ def list_runs(uri: str, experiment: str, limit: int = 50) -> list[dict]:
     rows = []
     for run in client.search_runs([exp.experiment_id], max_results=limit, order_by=["attributes.start_time DESC"]):
         m, tags = run.data.metrics, run.data.tags
-        steps = len({x.step for x in client.get_metric_history(run.info.run_id, "loss")})
+        steps = len({x.step for x in client.get_metric_history(run.info.run_id, names.LOSS)})
         rows.append({
             "name": run.info.run_name, "run": run.info.run_id, "status": run.info.status,
-            "layout": tags.get("raymp.layout", "?"), "steps": steps, "loss": m.get("loss"),
-            "val_loss": m.get("val_loss"), "tokens/s": m.get("tokens_per_s_median", m.get("tokens_per_s")),
+            "layout": tags.get("raymp.layout", "?"), "steps": steps, "loss": m.get(names.LOSS),
+            "val_loss": m.get(names.VAL_LOSS), "tokens/s": m.get(names.TOKENS_PER_S_MEDIAN, m.get(names.TOKENS_PER_S)),
             "restarts": int(tags.get("raymp.restarts", 0)),
             "started": _dt.datetime.fromtimestamp(run.info.start_time / 1000).strftime("%Y-%m-%d %H:%M"),
         })
@@ -89,10 +91,10 @@ def compare_runs(uri: str, experiment: str, wanted: list[str]) -> str:
     return format_rows(rows, ["", *names])
 
 
-# What a comparison is read for first, in this order. The MLflow UI's chart view orders charts by
-# metric name (checkpoint_blocked_s, data_wait_* and grad_norm come before loss), and keeps its
-# layout in the browser, so raymp draws these itself.
-PLOTTED = (("loss", "training loss"), ("tokens_per_s", "tokens/s"), ("peak_mem_mb_max", "peak memory (MiB, max over ranks)"))
+# What a comparison is read for first, in this order, in one figure (the MLflow UI shows them in
+# three sections of its chart view).
+PLOTTED = ((names.LOSS, "training loss"), (names.TOKENS_PER_S, "tokens/s"),
+           (names.PEAK_MEM, "peak memory (MiB, max over ranks)"))
 
 
 def plot_comparison(uri: str, experiment: str, wanted: list[str], out: str) -> str:

@@ -363,8 +363,8 @@ def mlflow_record(uri: str, run_id: str) -> dict:
     client = MlflowClient(uri)
     run = client.get_run(run_id)
     return {"status": run.info.status, "tags": run.data.tags,
-            "loss_steps": sorted(m.step for m in client.get_metric_history(run_id, "loss")),
-            "elastic_dp": [m.value for m in client.get_metric_history(run_id, "elastic_dp")],
+            "loss_steps": sorted(m.step for m in client.get_metric_history(run_id, "fit/loss")),
+            "elastic_dp": [m.value for m in client.get_metric_history(run_id, "restart/dp")],
             "events": sorted(a.path for a in client.list_artifacts(run_id, "events"))}
 
 

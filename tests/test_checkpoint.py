@@ -309,7 +309,7 @@ def test_auto_resume_continues_the_mlflow_run_a_path_starts_a_new_one(data_cache
         t.fit()
         assert t.tracker.resumed and t.tracker.run_id == first
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    assert sorted(m.step for m in client.get_metric_history(first, "loss")) == [0, 1, 2, 3]
+    assert sorted(m.step for m in client.get_metric_history(first, "fit/loss")) == [0, 1, 2, 3]
     assert client.get_run(first).info.status == "FINISHED"
     warm = dict(cfg, checkpoint={**cfg["checkpoint"], "dir": str(tmp_path / "ck2"),
                                  "resume": f"{tmp_path}/ck/step-00000002"})

@@ -443,7 +443,7 @@ def test_a_stopped_run_publishes_every_step_its_kept_checkpoint_holds(ref, data_
     assert kept.step == 4
     client = MlflowClient(uri)
     assert client.get_run(run_id).info.status == "KILLED"
-    losses = {m.step: m.value for m in client.get_metric_history(run_id, "loss")}
+    losses = {m.step: m.value for m in client.get_metric_history(run_id, "fit/loss")}
     assert sorted(losses) == list(range(kept.step)), sorted(losses)
     assert [losses[s] for s in range(kept.step)] == pytest.approx(ref.losses[:kept.step], rel=1e-5)
 
@@ -508,9 +508,9 @@ def test_mlflow_records_each_step_once_and_numbers_restarts_across_drivers(ref, 
     check_against_reference(history, ref, range(history[0]["step"], STEPS))
     client = MlflowClient(uri)
     run = client.get_run(run_id)
-    loss_steps = sorted(m.step for m in client.get_metric_history(run_id, "loss"))
+    loss_steps = sorted(m.step for m in client.get_metric_history(run_id, "fit/loss"))
     assert loss_steps == list(range(STEPS)), loss_steps  # each step once
-    losses = {m.step: m.value for m in client.get_metric_history(run_id, "loss")}
+    losses = {m.step: m.value for m in client.get_metric_history(run_id, "fit/loss")}
     assert [losses[s] for s in range(STEPS)] == pytest.approx(ref.losses, rel=1e-5)
     events = sorted(a.path for a in client.list_artifacts(run_id, "events"))
     assert [e for e in events if "restart" in e] == ["events/restart-1.json", "events/restart-2.json"]

@@ -228,5 +228,5 @@ def test_submit_follow_stop_and_check_mlflow(ray_head, tmp_path, data_cache):
     weights = consolidated_weights(intact_checkpoint(kept.path)[0])  # verifies first
     assert "tok_embeddings.weight" in weights
     finished = runs["FINISHED"]
-    assert len(client.get_metric_history(finished.info.run_id, "loss")) == 6
+    assert len(client.get_metric_history(finished.info.run_id, "fit/loss")) == 6
     assert finished.data.tags["raymp.layout"] == "dp2-pp1-tp1-zero2"

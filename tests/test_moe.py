@@ -155,7 +155,8 @@ def test_moe_refusals_name_the_field(settings, field):
 
 
 def test_step_metrics_merge_each_stages_routing_and_log_the_moe_columns():
-    from raymp.driver.metrics import LOGGED, moe_metrics
+    from raymp.driver.metrics import moe_metrics
+    from raymp.metric_names import PER_STEP
     from raymp.layout import Layout
     from raymp.runtime.report import RankReport
 
@@ -169,6 +170,6 @@ def test_step_metrics_merge_each_stages_routing_and_log_the_moe_columns():
     assert set(m["routing"]) == {"layers.1.feed_forward", "layers.2.feed_forward"}
     assert m["moe_imbalance_max"] == 2.5 and m["moe_dropped_tokens"] == 0
     assert m["moe_aux_loss"] == pytest.approx(0.04)
-    assert {"moe_aux_loss", "moe_imbalance_max", "moe_dropped_tokens"} <= set(LOGGED)
+    assert {"moe_aux_loss", "moe_imbalance_max", "moe_dropped_tokens"} <= set(PER_STEP)
     assert moe_metrics([RankReport(rank=0, loss=1.0, grad_norm=0, lr=0, compute_s=0, data_wait_s=0, peak_mem_bytes=0,
                                    param_bytes=0, grad_bytes=0, optim_bytes=0)], Layout()) == {}

@@ -42,7 +42,7 @@ def test_pipeline_metrics_timeline_and_mlflow_artifacts(group2, tiny_cfg, tmp_pa
     run = client.get_run(run_id)
     assert run.data.tags["raymp.schedule"] == "gpipe"
     assert run.data.params["parallel.stage_layers"] == "[[0, 1], [2, 3]]"  # the driver's split, recorded
-    assert len(client.get_metric_history(run_id, "bubble_fraction")) == 5
+    assert len(client.get_metric_history(run_id, "pipe/bubble")) == 5
 
 
 def test_timeline_command(tmp_path, data_cache):

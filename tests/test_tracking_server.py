@@ -98,16 +98,19 @@ def test_rest_api_returns_params_tags_metric_histories_and_artifacts(mlflow_serv
     for key in ("torch.version", "ray.version", "raymp.version", "ray.address", "raymp.checkpoint"):
         assert tags[key], key
     assert tags["raymp.checkpoint"].endswith("step-00000004")
-    for key, steps in (("loss", [0, 1, 2, 3]), ("lr", [0, 1, 2, 3]), ("tokens_per_s", [0, 1, 2, 3]),
-                       ("grad_norm", [0, 1, 2, 3]), ("step_time_s", [0, 1, 2, 3]),
-                       ("data_wait_fraction", [0, 1, 2, 3]), ("peak_mem_mb_max", [0, 1, 2, 3]),
-                       ("model_tflops_per_device", [0, 1, 2, 3]), ("restarts", [0, 1, 2, 3]),
-                       ("val_loss", [1, 3])):
+    every = [0, 1, 2, 3]
+    for key, steps in (("fit/loss", every), ("fit/lr", every), ("speed/tok_s", every), ("fit/grad_norm", every),
+                       ("speed/step_s", every), ("speed/data_frac", every), ("mem/peak_mb", every),
+                       ("speed/tflops", every), ("restart/count", every), ("fit/val_loss", [1, 3])):
         history = get(mlflow_server, "/api/2.0/mlflow/metrics/get-history", run_id=two_runs[1], metric_key=key)
         assert sorted(m["step"] for m in history["metrics"]) == steps, key
     metric_keys = {m["key"] for m in run["data"]["metrics"]}
     assert any(k.startswith("system/cpu_utilization") for k in metric_keys), metric_keys
-    assert "mfu" not in metric_keys  # no known peak on CPU: no made-up MFU
+    assert "speed/mfu" not in metric_keys  # no known peak on CPU: no made-up MFU
+    # MLflow's chart view: one section per prefix, alphabetically, the training curves first; every
+    # name whole in a chart's title
+    assert sorted({k.split("/")[0] for k in metric_keys}) == ["fit", "mem", "restart", "speed", "system"]
+    assert max(len(k) for k in metric_keys if not k.startswith("system/")) <= 15, metric_keys
     files = {f["path"] for f in get(mlflow_server, "/api/2.0/mlflow/artifacts/list", run_id=two_runs[1])["files"]}
     assert {"config.yaml", "layout.json", "loss_curve.png"} <= files
 
@@ -121,7 +124,7 @@ def test_runs_command_lists_and_compares(mlflow_server, two_runs, capsys, tmp_pa
                  "--compare", two_runs[0][:8], "server-b"]) == 0
     table = capsys.readouterr().out
     assert "param parallel.zero" in table and "param train.steps" not in table  # only what differs
-    assert "loss" in table and "tokens_per_s_median" in table  # the throughput `raymp runs` shows
+    assert "fit/loss" in table and "speed/tok_s_med" in table  # the throughput `raymp runs` shows
     png = tmp_path / "compare.png"
     assert main(["runs", "--tracking-uri", mlflow_server, "--experiment", "server-test",
                  "--compare", "server-a", "server-b", "--plot", str(png)]) == 0
@@ -166,4 +169,5 @@ def test_ui_screenshot_compares_the_runs(mlflow_server, two_runs, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     assert "server-a" in dom and "server-b" in dom
     charts = rendered_charts(dom)  # drawn, not spinners: raymp's step metrics, both runs in each
-    assert {"grad_norm", "loss", "lr"} <= set(charts), charts
+    assert {"fit/grad_norm", "fit/loss", "fit/lr"} <= set(charts), charts
+    assert next(c for c in charts if "/" in c).startswith("fit/")  # the training section comes first

@@ -37,10 +37,10 @@ def test_step_inspect_fit_and_mlflow_run(group2, tiny_cfg, tmp_path):
     assert run.data.params["parallel.dp"] == "2" and run.data.params["parallel.zero"] == "3"
     assert run.data.params["model.dim"] == "64"  # resolved from the preset
     assert run.data.tags["raymp.layout"] == "dp2-pp1-tp1-zero3"
-    losses = client.get_metric_history(run_id, "loss")
+    losses = client.get_metric_history(run_id, "fit/loss")
     assert [m.step for m in sorted(losses, key=lambda m: m.step)] == [0, 1, 2, 3, 4]
     assert [m.value for m in sorted(losses, key=lambda m: m.step)] == pytest.approx([h["loss"] for h in history])
-    for key in ("grad_norm", "lr", "tokens_per_s", "step_time_s", "peak_mem_mb_max", "peak_mem_mb.rank1"):
+    for key in ("fit/grad_norm", "fit/lr", "speed/tok_s", "speed/step_s", "mem/peak_mb", "mem/rank1_mb"):
         assert len(client.get_metric_history(run_id, key)) == 5, key
     artifacts = [a.path for a in client.list_artifacts(run_id)]
     assert "config.yaml" in artifacts

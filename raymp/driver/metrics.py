@@ -13,11 +13,6 @@ from raymp.models.moe import imbalance
 from raymp.parallel.pipeline import bubble_stats, theoretical_bubble
 from raymp.runtime.report import RankReport
 
-# What MLflow gets per step, besides the memory columns (raymp.driver.tracking_hooks).
-LOGGED = ("loss", "val_loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "data_wait_s",
-          "data_wait_fraction", "bubble_fraction", "bubble_fraction_theory", "checkpoint_blocked_s",
-          "model_tflops_per_device", "mfu", "restarts", "moe_aux_loss", "moe_imbalance_max",
-          "moe_dropped_tokens", "update_skipped")
 
 
 def step_metrics(step: int, reports: list[RankReport], layout: Layout, cfg: RunConfig, step_time: float,

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from raymp.config import ConfigError, RunConfig, resolved_dict
-from raymp.driver.metrics import LOGGED
+from raymp import metric_names as names
 from raymp.driver.summary import steady_median
 from raymp.layout import Layout
 from raymp.tracking import RunTracker
@@ -71,13 +71,13 @@ class RunTracking:
         return self.tracker.uri
 
     def on_step(self, metrics: dict) -> None:
-        logged = {k: metrics[k] for k in LOGGED if metrics.get(k) is not None}
-        logged["peak_mem_mb_max"] = metrics["peak_mem_bytes_max"] / 2**20
+        logged = {name: metrics[k] for k, name in names.PER_STEP.items() if metrics.get(k) is not None}
+        logged[names.PEAK_MEM] = metrics["peak_mem_bytes_max"] / 2**20
         if metrics["memory_step"] == metrics["step"]:  # measured on this step, not carried from an earlier one
-            logged["memory_measured_mb_max"] = metrics["memory_measured_bytes_max"] / 2**20
-            logged["memory_estimate_mb_max"] = metrics["memory_estimate_bytes_max"] / 2**20
+            logged[names.MEASURED_MEM] = metrics["memory_measured_bytes_max"] / 2**20
+            logged[names.ESTIMATED_MEM] = metrics["memory_estimate_bytes_max"] / 2**20
         for r in metrics["per_rank"]:
-            logged[f"peak_mem_mb.rank{r['rank']}"] = r["peak_mem_bytes"] / 2**20
+            logged[names.rank_peak_mem(r["rank"])] = r["peak_mem_bytes"] / 2**20
         self.tracker.log_metrics(metrics["step"], logged)
 
     def on_commit(self, step: int) -> None:
@@ -93,8 +93,8 @@ class RunTracking:
         tracker.log_event(f"restart-{number}", event, event["resumed_step"])
         tracker.set_tags({"raymp.layout": Layout.from_record(event["layout_after"]).tag(),
                           "raymp.dp": str(dp), "raymp.restarts": str(number)})
-        tracker.log_metrics(event["resumed_step"], {"elastic_restarts": number, "elastic_dp": dp,
-                                                    "elastic_restart_s": event["restart_s"]}, final=True)
+        tracker.log_metrics(event["resumed_step"], {names.RESTART_NUMBER: number, names.ELASTIC_DP: dp,
+                                                    names.RESTART_S: event["restart_s"]}, final=True)
 
     def log_artifacts(self, paths) -> None:
         for path in paths:
@@ -109,7 +109,7 @@ class RunTracking:
         try:
             if history:
                 self.tracker.log_metrics(history[-1]["step"], {
-                    "tokens_per_s_median": steady_median(history, "tokens_per_s")}, final=True)
+                    names.TOKENS_PER_S_MEDIAN: steady_median(history, "tokens_per_s")}, final=True)
             if latest is not None:
                 self.tracker.set_tags({"raymp.checkpoint": latest.path, "raymp.checkpoint_step": str(latest.step)})
         finally:
