@@ -26,6 +26,7 @@ from raymp.data import DataPosition
 from raymp.driver.feed import DataFeed
 from raymp.driver.health import NonFinitePolicy
 from raymp.driver.launch import Launcher, as_config, check_vocab, num_params
+from raymp.driver.metrics import stage_events
 from raymp.driver.run_setup import check_destinations, open_lineage, removed_if_setup_fails, say_resume
 from raymp.driver.session import Session
 from raymp.driver.summary import describe, memory_rows, summary
@@ -170,8 +171,9 @@ class Trainer:
         reports, metrics = self.session.run_step(step, next_may_start=ahead)
         self.feed.next_step += 1
         metrics["restarts"] = len(self.restarts)
-        if "pipeline_events" in metrics:  # kept aside for timeline(), not in the history
-            self.last_pipeline_events, self._last_pipeline_step = metrics.pop("pipeline_events"), step
+        if self.config.parallel.pp > 1:  # for timeline(), not in the history
+            self.last_pipeline_events = stage_events(reports, self.config.parallel.layout)
+            self._last_pipeline_step = step
         if eval_due:
             metrics["val_loss"] = self.evaluate()
         self.history.append(metrics)

@@ -65,12 +65,14 @@ def moe_metrics(reports: list[RankReport], layout: Layout) -> dict:
             "moe_imbalance": by_block, "moe_imbalance_max": max(by_block.values()), "moe_dropped_tokens": 0}
 
 
+def stage_events(reports: list[RankReport], layout: Layout, dp: int = 0) -> list[list]:
+    """The stage clocks' events of one pipeline replica, stage by stage (what timeline() draws)."""
+    return [reports[layout.rank_of(dp=dp, pp=s, tp=0)].pipeline_events for s in range(layout.pp)]
+
+
 def pipeline_metrics(reports: list[RankReport], layout: Layout, global_batch: int) -> dict:
-    """Bubble per replica from the stages' clocks (averaged over replicas), next to theory. The
-    events of replica 0 go under "pipeline_events" for the driver to keep aside for timeline()."""
-    replicas = [[reports[layout.rank_of(dp=d, pp=s, tp=0)].pipeline_events for s in range(layout.pp)]
-                for d in range(layout.dp)]
-    stats = [bubble_stats(events) for events in replicas]
+    """Bubble per replica from the stages' clocks (averaged over replicas), next to theory."""
+    stats = [bubble_stats(stage_events(reports, layout, d)) for d in range(layout.dp)]
     return {
         "bubble_fraction": sum(s["bubble_fraction"] for s in stats) / len(stats),
         "bubble_fraction_theory": theoretical_bubble(layout.schedule, layout.pp, layout.micro_batches(global_batch),
@@ -78,7 +80,6 @@ def pipeline_metrics(reports: list[RankReport], layout: Layout, global_batch: in
         "stage_busy_s": stats[0]["busy_s"],
         "stage_idle_s": stats[0]["idle_s"],
         "activation_peak_bytes_max": max(r.activation_peak_bytes for r in reports),
-        "pipeline_events": replicas[0],
     }
 
 
