@@ -4,12 +4,12 @@ the whole micro-batch's logits in fp32.
 A Llama-class vocabulary (128,256 entries) makes the logits the largest activation of the step:
 `F.cross_entropy(logits.float())` writes an fp32 copy of them, its log-softmax another, and its
 backward two more (at 4 x 2,048 tokens: 4.2 GB each, ~40 GB of memory traffic per micro-batch,
-about a tenth of a 1B model's step on an H100). Here the forward keeps one fp32 number per token
-(the log-sum-exp) and the backward writes the gradient in the logits' own dtype, a block of
-tokens at a time; fp32 exists only for one block. On CUDA with compilation on, the loss is two
-fused kernels over the whole micro-batch (torch.compile of the two small functions below: a
-log-sum-exp per token, then the gradient), which read the logits twice, write their gradient
-once and write no fp32 copy at all. Liger-kernel's fused linear cross-entropy also
+about a tenth of a 1B model's step on an H100). Here the eager loss is F.cross_entropy on fp32
+copies of a block of tokens at a time, forward and again backward (the same gradient bits as the
+whole, with fp32 for one block only). On CUDA with compilation on, the loss is two fused kernels
+over the whole micro-batch (torch.compile of the two small functions below: a log-sum-exp per
+token, then the gradient), which read the logits twice, write their gradient in the logits' dtype
+once and write no fp32 copy at all; it keeps one fp32 number per token for backward. Liger-kernel's fused linear cross-entropy also
 folds the output projection in; raymp's output layer is sharded and hooked by its parallel
 wrappers (TP, FSDP), which a loss that takes the weight itself would bypass, so the projection
 stays a module and only the loss is fused.
@@ -43,57 +43,65 @@ def _logits_gradient(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tens
     return ((probs - hit.float()) * scale).to(logits.dtype)
 
 
-def _logits_gradient_eager(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The same gradient in fewer eager passes over the block (softmax in one kernel, the rest
-    in place)."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    probs[torch.arange(labels.shape[0], device=labels.device), labels] -= 1.0
-    return probs.mul_(scale).to(logits.dtype)
-
-
 _fused_kernels: tuple | None = None
 
 
-def _kernels(fused: bool) -> tuple:
+def _fused() -> tuple:
     global _fused_kernels
-    if not fused:
-        return _log_sum_exp, _logits_gradient_eager
     if _fused_kernels is None:  # compiled once per process, on first use
         _fused_kernels = (torch.compile(_log_sum_exp, dynamic=True), torch.compile(_logits_gradient, dynamic=True))
     return _fused_kernels
 
 
-def _rows_per_block(vocab: int, fused: bool) -> int:
-    """Fused kernels write no fp32 block, so they take the whole micro-batch at once."""
-    return 1 << 62 if fused else max(1, BLOCK_ELEMENTS // vocab)
-
-
-class _BlockwiseCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of [tokens, vocab] logits, a block of tokens at a time; saves the
-    logits (already held by the caller) and one fp32 log-sum-exp per token for backward."""
+class _FusedCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of [tokens, vocab] logits in two compiled kernels; saves the logits
+    (already held by the caller) and one fp32 log-sum-exp per token for backward."""
 
     @staticmethod
-    def forward(ctx, logits, labels, fused):
-        lse_of, _ = _kernels(fused)
-        rows = _rows_per_block(logits.shape[-1], fused)
-        lse = torch.cat([lse_of(block) for block in logits.split(rows)])
+    def forward(ctx, logits, labels):
+        lse_of, _ = _fused()
+        lse = lse_of(logits)
         target = logits.gather(1, labels.unsqueeze(1)).squeeze(1).float()
         ctx.save_for_backward(logits, labels, lse)
-        ctx.fused, ctx.rows = fused, rows
         return (lse - target).mean()
 
     @staticmethod
     def backward(ctx, grad_loss):
         logits, labels, lse = ctx.saved_tensors
-        _, gradient_of = _kernels(ctx.fused)
-        scale = (grad_loss / logits.shape[0]).float()
-        if ctx.rows >= logits.shape[0]:  # one block: its gradient is the whole one, no copy
-            return gradient_of(logits, lse, labels, scale), None, None
+        _, gradient_of = _fused()
+        return gradient_of(logits, lse, labels, (grad_loss / logits.shape[0]).float()), None
+
+
+class _BlockwiseCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of [tokens, vocab] logits, F.cross_entropy on fp32 copies of a block of
+    tokens at a time, in the forward and again in the backward: the same arithmetic, so the same
+    gradient bits, as F.cross_entropy(logits.float()) (layouts are compared with the one-process
+    run to the last bits of Adam's updates), with fp32 only for one block. Saves the logits."""
+
+    @staticmethod
+    def forward(ctx, logits, labels):
+        rows = max(1, BLOCK_ELEMENTS // logits.shape[-1])
+        if rows >= logits.shape[0]:
+            loss = F.cross_entropy(logits.float(), labels)
+        else:
+            loss = sum(F.cross_entropy(block.float(), target, reduction="sum")
+                       for block, target in zip(logits.split(rows), labels.split(rows))) / logits.shape[0]
+        ctx.save_for_backward(logits, labels)
+        ctx.rows = rows
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, labels = ctx.saved_tensors
+        scale = grad_loss / logits.shape[0]
         grad = torch.empty_like(logits)
         for start in range(0, logits.shape[0], ctx.rows):
-            end = start + ctx.rows
-            grad[start:end] = gradient_of(logits[start:end], lse[start:end], labels[start:end], scale)
-        return grad, None, None
+            block = logits[start:start + ctx.rows].detach().float().requires_grad_()
+            with torch.enable_grad():
+                loss = F.cross_entropy(block, labels[start:start + ctx.rows], reduction="sum")
+            (block_grad,) = torch.autograd.grad(loss, block, scale)
+            grad[start:start + ctx.rows] = block_grad
+        return grad, None
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, fused: bool = False) -> torch.Tensor:
@@ -102,7 +110,8 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, fused: bool = False) -> 
     if isinstance(logits, DTensor):  # vocabulary-sharded under loss_parallel
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
     with torch.autocast(logits.device.type, enabled=False):
-        return _BlockwiseCrossEntropy.apply(logits.flatten(0, 1), labels.flatten(), fused)
+        function = _FusedCrossEntropy if fused else _BlockwiseCrossEntropy
+        return function.apply(logits.flatten(0, 1), labels.flatten())
 
 
 def loss_function(compiled: bool, device_type: str):
