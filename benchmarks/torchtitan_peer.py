@@ -103,6 +103,13 @@ def parse_log(text: str) -> list[dict]:
     return rows
 
 
+def failure_line(log: str) -> str:
+    """The child's exception line ("ImportError: ..."), not torchrun's closing banner."""
+    lines = [line.strip() for line in ANSI.sub("", log).splitlines() if line.strip()]
+    errors = [line for line in lines if re.match(r"[\w.]*(Error|Exception)\b", line) and "ChildFailedError" not in line]
+    return (errors or lines or ["no output"])[0 if errors else -1]
+
+
 def summarize(rows: list[dict], batch: int, seq_len: int) -> dict:
     """The check's row from torchtitan's lines: median step of the steady window (step 3 on),
     as the raymp rows are timed, from its tokens/s."""
@@ -124,8 +131,7 @@ def run(steps: int, batch: int, seq_len: int, lr: float, fp8: str | None = None,
     log = done.stdout + done.stderr
     Path(assets, "train.log").write_text(log)
     if done.returncode != 0:
-        last = [line for line in log.splitlines() if line.strip()][-1:] or ["no output"]
-        raise RuntimeError(f"torchtitan exited {done.returncode}: {last[0][:300]} (log: {assets}/train.log)")
+        raise RuntimeError(f"torchtitan exited {done.returncode}: {failure_line(log)[:300]} (log: {assets}/train.log)")
     return summarize(parse_log(log), batch, seq_len)
 
 

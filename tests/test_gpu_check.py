@@ -105,3 +105,14 @@ def test_torchtitan_log_lines_give_the_timed_row():
     assert row["step_s"] == pytest.approx(4 * 2048 / 44000) and row["peak_gib"] == 35.0 and row["losses"][0] == 11.0
     with pytest.raises(RuntimeError, match="logged 2 training steps"):
         summarize(rows[:2], 4, 2048)
+
+
+def test_a_failed_torchtitan_run_is_named_by_its_exception_line():
+    from benchmarks.torchtitan_peer import failure_line
+
+    log = ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+           "ImportError: cannot import name 'DataParallelMeshDims' from 'torch.distributed.fsdp'\n"
+           "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+           "============================================================\n")
+    assert failure_line(log).startswith("ImportError: cannot import name 'DataParallelMeshDims'")
+    assert failure_line("just output\n====\n") == "===="
