@@ -94,19 +94,22 @@ class _BlockwiseCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         logits, labels = ctx.saved_tensors
         scale = grad_loss / logits.shape[0]
-        grad = torch.empty_like(logits)
-        for start in range(0, logits.shape[0], ctx.rows):
+        blocks = range(0, logits.shape[0], ctx.rows)
+        grad = torch.empty_like(logits) if len(blocks) > 1 else None  # one block: its gradient, uncopied
+        for start in blocks:
             block = logits[start:start + ctx.rows].detach().float().requires_grad_()
             with torch.enable_grad():
                 loss = F.cross_entropy(block, labels[start:start + ctx.rows], reduction="sum")
             (block_grad,) = torch.autograd.grad(loss, block, scale)
+            if grad is None:
+                return block_grad.to(logits.dtype), None
             grad[start:start + ctx.rows] = block_grad
         return grad, None
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, fused: bool = False) -> torch.Tensor:
     """Mean over every token of the micro-batch (all samples are full-length: no padding).
-    `fused`: each block's arithmetic compiled into one kernel (`loss_function` decides)."""
+    `fused`: two compiled kernels over the micro-batch (`loss_function` decides)."""
     if isinstance(logits, DTensor):  # vocabulary-sharded under loss_parallel
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
     with torch.autocast(logits.device.type, enabled=False):

@@ -14,7 +14,6 @@ from raymp.parallel.pipeline import bubble_stats, theoretical_bubble
 from raymp.runtime.report import RankReport
 
 
-
 def step_metrics(step: int, reports: list[RankReport], layout: Layout, cfg: RunConfig, step_time: float,
                  flops: float, peak_tflops: float | None, estimate_bytes: float) -> dict:
     """The step's metrics (the run's history entry); `flops` are the model FLOPs of one step."""
