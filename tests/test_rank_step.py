@@ -80,3 +80,27 @@ def test_measurement_runs_only_on_the_steps_that_report_it(worker, tmp_path, mon
 def test_the_memory_rule():
     assert [s for s in range(10) if measures_memory(s, s == 0, 10, 4)] == [0, 3, 7, 9]
     assert [s for s in range(10) if measures_memory(s, False, 10, 0)] == [9]
+
+
+def test_the_gradient_norm_is_exact_at_float32_speed():
+    """A 3e7-element gradient: CPU's float32 norm kernel, whole, is far off (it sums one square
+    after another); the engine's norm, from 64 Ki-element views, is within 1e-6 of float64."""
+    import torch
+
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.zeros(30_000_000)), torch.nn.Parameter(torch.zeros(3, 5))]
+    for w in weights:
+        w.grad = torch.randn(w.shape) * 1e-3 + 1e-4
+    exact = float(torch.sqrt(sum(w.grad.double().square().sum() for w in weights)))
+    whole = float(torch.linalg.vector_norm(weights[0].grad))  # the big one alone is already off
+    assert abs(whole - float(weights[0].grad.double().norm())) / whole > 1e-4
+
+    engine = DataParallelEngine()
+    engine.optimizer = torch.optim.SGD(weights, lr=0.1)
+    engine.device = torch.device("cpu")
+    before = [w.grad.clone() for w in weights]
+    norm = engine.clip_grad_norm(None, copies=1)
+    assert abs(norm - exact) / exact < 1e-6
+    assert all(torch.equal(w.grad, b) for w, b in zip(weights, before))  # no clip asked for
+    assert abs(engine.clip_grad_norm(norm / 2, copies=1) - exact) / exact < 1e-6
+    assert abs(float(torch.sqrt(sum(w.grad.double().square().sum() for w in weights))) - norm / 2) / norm < 1e-5
