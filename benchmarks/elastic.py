@@ -169,6 +169,7 @@ def measure(opts) -> dict:
                      " / ".join(dict.fromkeys(r["state_from"] for r in rs)), str(rs[0]["dp_after"]), f"{gap:.1e}",
                      "" if name == "Ray Train" else f"{ratio:.2f}x ({'raymp faster' if ratio > 1 else 'raymp slower'})"])
     cost_rows = [[c["mode"], f"{c['step_s'] * 1e3:.0f}", f"{c['ratio']:.2f}x", in_run_text(c),
+                  "-" if c["stall_s"] is None else f"{c['stall_s'] * 1e3:.0f}",
                   f"{c['blocked_s'] * 1e3:.0f}" if c["size_mb"] else "-", f"{c['size_mb']:.1f}" if c["size_mb"] else "-"]
                  for c in cost]
     return {
@@ -191,8 +192,8 @@ def measure(opts) -> dict:
         "extra_tables": [{
             "caption": (f"raymp checkpoint cost (dp=2 ZeRO-2, model `small`, {3 * opts.steps} steps, a save every "
                         f"5 steps, median of {opts.reps} interleaved rounds; time per step includes the saves)"),
-            "columns": ["checkpoints", "time per step (ms)", "vs none", "in-run cost per step", "blocked per save (ms)",
-                        "one checkpoint (MiB)"],
+            "columns": ["checkpoints", "time per step (ms)", "vs none", "in-run cost per step",
+                        "loop stall per save (ms)", "ranks blocked per save (ms)", "one checkpoint (MiB)"],
             "rows": cost_rows}],
         "raw": {"recovery": runs, "checkpoint_cost": cost},
         "notes": [
@@ -215,9 +216,13 @@ def measure(opts) -> dict:
             "The loss column compares every step (the redone steps' second pass) with raymp's run, so both "
             "resumed to the same state.",
             "\"vs none\" compares whole runs, and the runs of one mode differ from round to round by a few "
-            "percent on this shared machine. \"in-run cost per step\" prices a save inside its own run: what the "
-            f"{AFFECTED} step intervals after each save took beyond the run's median interval away from saves, "
-            "spread over the steps between saves (median of the rounds; benchmarks/recovery.py). It cannot see a "
-            "cost spread evenly over every step; \"vs none\" can, within its noise.",
+            "percent on this shared machine. \"loop stall per save\" is what a save costs the step loop inside its "
+            f"own run: what the interval of the step before it and the {AFFECTED} after took beyond the run's "
+            "median interval away from saves (median of the rounds; benchmarks/recovery.py); \"in-run cost per "
+            "step\" is that spread over the steps between saves. It cannot see a cost spread evenly over every "
+            "step; \"vs none\" can, within its noise. \"ranks blocked\" is the longest a rank's step call was held "
+            "by the save's staging: a save rides on the call of the step before it (the next step is queued behind "
+            "it), unless the save before was not yet reported done when that step was queued; then it is a call "
+            "of its own between the two steps.",
         ],
     }

@@ -14,8 +14,9 @@ step completions from step 2 on (so a save's cost, and a background write slowin
 beside it, are both in), with no checkpoints, async every k steps, and blocking every k steps;
 the ratio is against no checkpoints. "blocked" is the median time a save held the step loop;
 the size is what one save writes (model + AdamW state). "in-run" prices the same cost inside
-each run: the time the AFFECTED step intervals after a save took beyond the run's own median
-interval away from saves, per save, spread over the k steps between saves. It needs no second run
+each run: the time the interval of the step before a save (its call carries the save when it can
+ride) and the AFFECTED intervals after it took beyond the run's own median interval away from
+saves: the loop's stall per save, and that spread over the k steps between saves. It needs no second run
 to compare with, so it is free of the drift between runs (a few percent on this shared machine,
 more than the cost being measured); what it cannot see is a cost spread evenly over every step.
 """
@@ -79,19 +80,21 @@ def recovery(cluster, root: str, model: str, steps: int) -> dict:
     }
 
 
-AFFECTED = 3  # step intervals after a save that its staging, background write and hand-over can slow
+AFFECTED = 3  # step intervals after a save's own that its background write and hand-over can slow
 
 
-def in_run_cost(history: list[dict], every: int) -> float:
-    """A save's (or peer copy's) cost per step as a fraction of the step time, from one run's
-    step completion times: see the module docstring. Steps 0 and 1 (warm-up) are left out."""
+def in_run_cost(history: list[dict], every: int) -> dict:
+    """A save's (or peer copy's) cost inside its own run, from the step completion times (see the
+    module docstring): `stall_s`, the time per save the step loop lost; `fraction`, that spread
+    over the steps between saves, as a share of the step time. Steps 0 and 1 (warm-up) are left out."""
     done = [m["finished_at"] for m in history]
     intervals = {i: done[i] - done[i - 1] for i in range(2, len(done))}
-    saves = [s for s in range(len(done) - 1) if (s + 1) % every == 0]  # a save starts after step s
-    affected = {s + d for s in saves for d in range(1, AFFECTED + 1)} & set(intervals)
+    saves = [s for s in range(len(done) - 1) if (s + 1) % every == 0]  # the save after step s
+    # From step s's own interval (a save riding on the step's call is in it) to AFFECTED after.
+    affected = {s + d for s in saves for d in range(AFFECTED + 1)} & set(intervals)
     baseline = statistics.median(v for i, v in intervals.items() if i not in affected)
-    extra = sum(intervals[i] - baseline for i in affected)
-    return extra / len(saves) / (every * baseline)
+    stall = sum(intervals[i] - baseline for i in affected) / len(saves)
+    return {"stall_s": stall, "fraction": stall / (every * baseline)}
 
 
 def checkpoint_cost(root: str, model: str, steps: int, every: int, rounds: int) -> list[dict]:
@@ -131,7 +134,8 @@ def checkpoint_cost(root: str, model: str, steps: int, every: int, rounds: int) 
     return [{"model": model, "mode": name, "step_s": statistics.median(v),
              "ratio": statistics.median(v) / base, "size_mb": size / 2**20 if name != "none" else 0.0,
              "blocked_s": statistics.median(blocked[name]) if blocked[name] else 0.0,
-             "in_run": statistics.median(in_run[name]) if in_run[name] else None}
+             "in_run": statistics.median(c["fraction"] for c in in_run[name]) if in_run[name] else None,
+             "stall_s": statistics.median(c["stall_s"] for c in in_run[name]) if in_run[name] else None}
             for name, v in times.items()]
 
 
@@ -158,11 +162,13 @@ def main() -> None:
         print(f"| {r['model']} | {r['step_s']:.2f} | {r['detect_s']:.2f} | {r['restart_s']:.1f} | "
               f"{r['to_next_step_s']:.1f} | {r['redone']} |")
     print(f"\nCheckpoint cost (dp=2 ZeRO-2, {args.steps} steps, median of {args.rounds} interleaved rounds)")
-    print("| model | checkpoints | time per step (s) | vs none | in-run | blocked per save (s) | one checkpoint (MiB) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | checkpoints | time per step (s) | vs none | in-run | loop stall per save (s) | "
+          "ranks blocked per save (s) | one checkpoint (MiB) |")
+    print("|---|---|---|---|---|---|---|---|")
     for c in cost:
+        stall = "-" if c["stall_s"] is None else f"{c['stall_s']:.3f}"
         extra = f"{c['blocked_s']:.3f} | {c['size_mb']:.1f}" if c["size_mb"] else "- | -"
-        print(f"| {c['model']} | {c['mode']} | {c['step_s']:.3f} | {c['ratio']:.2f}x | {in_run_text(c)} | {extra} |")
+        print(f"| {c['model']} | {c['mode']} | {c['step_s']:.3f} | {c['ratio']:.2f}x | {in_run_text(c)} | {stall} | {extra} |")
 
 
 def in_run_text(row: dict) -> str:

@@ -167,7 +167,8 @@ class Trainer:
         if step >= t.steps:
             raise RuntimeError(f"the run is complete: train.steps={t.steps} steps done")
         eval_due = self.feed.eval_due(step, t)
-        ahead = t.dispatch_ahead and step + 1 < _dispatch_ahead_until and not (eval_due or joining or self.on_event)
+        ahead = (t.dispatch_ahead and step + 1 < _dispatch_ahead_until and not (eval_due or joining or self.on_event)
+                 and not (self.session.checkpoints.due(step + 1, t.steps) and self.elastic.grows_at_checkpoint()))
         reports, metrics = self.session.run_step(step, next_may_start=ahead)
         self.feed.next_step += 1
         metrics["restarts"] = len(self.restarts)

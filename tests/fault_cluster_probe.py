@@ -74,12 +74,12 @@ class HoldStepWorker(Worker):
         self._hold_dir = cfg.output_dir
         return super().setup(cfg, vocab_size, *args)
 
-    def train_step(self, step: int):
+    def train_step(self, step: int, save=None):
         hold = Path(self._hold_dir, f"hold-{step}-{self.rank}")
         try:
             hold.rename(hold.with_name(f"held-{step}-{self.rank}"))
         except FileNotFoundError:
-            return super().train_step(step)
+            return super().train_step(step, save)
         while True:  # until the node goes, and this process with it
             time.sleep(0.05)
 

@@ -58,13 +58,17 @@ def test_scale_says_in_numbers_what_zero3_cannot_shard():
     assert "262 + 87 + 228 = 577 MiB per rank against the 512 MiB cap" in note
 
 
-def test_in_run_save_cost_prices_the_intervals_after_each_save():
-    """A save every 5 steps that adds 0.25 s to the interval after it, on 1 s steps: 5% a step,
-    whatever the run's other intervals do by a little."""
+def test_in_run_save_cost_prices_the_intervals_of_each_save():
+    """A save every 5 steps that adds 0.25 s to the interval after it, or to its own step's
+    (riding on the step's call), on 1 s steps: 0.25 s lost per save, 5% a step, whatever the
+    run's other intervals do by a little."""
     from benchmarks.recovery import in_run_cost
 
-    done, t = [], 0.0
-    for step in range(24):
-        t += 1.0 + (0.25 if step > 1 and step % 5 == 0 else 0.0) + (0.01 if step % 2 else -0.01)
-        done.append({"finished_at": t})
-    assert in_run_cost(done, 5) == pytest.approx(0.05, abs=0.004)
+    for lands in (0, 1):  # the save after step 4 costs in step 4's interval, or in step 5's
+        done, t = [], 0.0
+        for step in range(24):
+            t += 1.0 + (0.25 if step > 1 and (step - lands) % 5 == 4 else 0.0) + (0.01 if step % 2 else -0.01)
+            done.append({"finished_at": t})
+        cost = in_run_cost(done, 5)
+        assert cost["fraction"] == pytest.approx(0.05, abs=0.004), lands
+        assert cost["stall_s"] == pytest.approx(0.25, abs=0.02), lands

@@ -263,7 +263,11 @@ def test_a_stop_while_the_ranks_are_asked_to_save_still_commits_that_save(
         ref, data_cache, tmp_path, group2, capsys, monkeypatch):
     """CI (ray job stop): the signal landed while the driver waited for the ranks to start step
     12's save; the ranks wrote it, index and all, but the driver had not yet recorded it as in
-    flight, so nothing committed it and its directory was left without the marker."""
+    flight, so nothing committed it and its directory was left without the marker. (A save
+    starts by its own call where it cannot ride on a step's: here none may.)"""
+    from raymp.checkpoint.coordinator import CheckpointCoordinator
+
+    monkeypatch.setattr(CheckpointCoordinator, "order", lambda self, steps_done, total: None)
     asked = group2.call
 
     def stopped_while_asking(method, *args, **kwargs):
@@ -282,6 +286,49 @@ def test_a_stop_while_the_ranks_are_asked_to_save_still_commits_that_save(
     assert [c.step for c in CheckpointStore(str(tmp_path / "checkpoints")).committed()] == [2, 4]
     assert "stopped: the checkpoint of step 4 was committed" in capsys.readouterr().out
     _resume_matches_reference(cfg, group2, done, ref)
+
+
+@pytest.mark.timeout(240)
+def test_a_stop_before_the_step_carrying_a_save_comes_back_keeps_the_checkpoint_before(
+        ref, data_cache, tmp_path, group2, capsys, monkeypatch):
+    """Step 2's save rides on step 2's own call (none in flight then: a save rides only then).
+    The stop lands once the ranks have finished that step and started the save, before the driver
+    read the results: the step was never recorded, so neither is its checkpoint (whole on
+    storage or not), and the run starts again from the beginning."""
+    import ray
+
+    from raymp.checkpoint.coordinator import SaveOrder
+
+    submit, collect, carried = group2.submit, group2.collect, []
+
+    def noting(method, *args, **kwargs):
+        refs = submit(method, *args, **kwargs)
+        if method == "train_step" and isinstance(args[1], SaveOrder) and args[1].steps_done == 2:
+            carried.extend(refs)
+        return refs
+
+    def stopped_on_its_results(refs, *args, **kwargs):
+        if carried and refs == carried:
+            ray.get(refs)  # the ranks did step 2 and started its save
+            raise KeyboardInterrupt
+        return collect(refs, *args, **kwargs)
+
+    monkeypatch.setattr(group2, "submit", noting)
+    monkeypatch.setattr(group2, "collect", stopped_on_its_results)
+    cfg = matrix_cfg(tmp_path, data_cache)
+    with Trainer(cfg, actor_group=group2) as t:
+        with pytest.raises(KeyboardInterrupt):
+            t.fit()
+        done = list(t.history)
+    monkeypatch.undo()
+    assert [m["step"] for m in done] == [0]
+    assert CheckpointStore(str(tmp_path / "checkpoints")).committed() == []
+    assert "stopped before step 2 came back: its checkpoint, started by the ranks with it, is not kept; " \
+           "the latest committed checkpoint is none" in capsys.readouterr().out
+    with Trainer(cfg, actor_group=group2, progress=False) as t:
+        assert t.setup().global_step == 0
+        rest = t.fit()
+    check_against_reference(rest, ref, range(STEPS))  # all of it again, the first step included
 
 
 @pytest.mark.timeout(240)

@@ -50,20 +50,27 @@ def test_step_inspect_fit_and_mlflow_run(group2, tiny_cfg, tmp_path):
     assert (out / "mlartifacts").is_dir()
 
 
-def test_dispatch_ahead_trains_the_same_steps_and_never_crosses_a_save_or_a_validation(group2, tiny_cfg, tmp_path):
-    """Issue 22: fit() queues step k+1 before it reads step k's results, except where something
-    must happen on the actors in between (a save after steps 1, 3, 5, 7, a validation after steps
-    2, 5, 7): only steps 1, 5 and 7 go early. The losses and samples are step-by-step dispatch's."""
+def test_dispatch_ahead_trains_the_same_steps_and_crosses_a_save_only_where_it_rides_on_the_step(
+        group2, tiny_cfg, tmp_path):
+    """Issues 22 and 44: fit() queues step k+1 before it reads step k's results, except where
+    something must happen on the actors in between: a validation (after steps 2, 5, 7), or a save
+    (after steps 1, 3, 5, 7) that could not ride on step k's own call because the save before it
+    was not yet reported done when step k was queued. Saves written in the step's call
+    (async_save off) make that order exact: saves after 1 and 3 ride, after 5 (ordered when step
+    5 went early, before step 4 reported save 4 done) and 7 do not; so 1, 2, 4, 5 and 7 go early.
+    The losses and samples are step-by-step dispatch's, and so are the checkpoints committed."""
     runs = {}
     for ahead in (False, True):
         cfg = tiny_cfg(parallel={"dp": 2, "zero": 2, "micro_batch_size": 2},
                        train={"steps": 8, "eval_every": 3, "dispatch_ahead": ahead},
-                       checkpoint={"every": 2, "dir": str(tmp_path / f"ckpt-{ahead}")})
+                       checkpoint={"every": 2, "async_save": False, "dir": str(tmp_path / f"ckpt-{ahead}")})
         with Trainer(cfg, actor_group=group2, progress=False) as trainer:
             history = trainer.fit()
-            runs[ahead] = (history, trainer.session.queued_early)
-    (plain, none_early), (ahead, early) = runs[False], runs[True]
-    assert none_early == [] and early == [1, 5, 7], early
+            runs[ahead] = (history, trainer.session.queued_early,
+                           [c.step for c in trainer.session.checkpoints.committed])
+    (plain, none_early, plain_saves), (ahead, early, saves) = runs[False], runs[True]
+    assert none_early == [] and early == [1, 2, 4, 5, 7], early
+    assert saves == plain_saves == [2, 4, 6, 8]
     assert [m["loss"] for m in ahead] == [m["loss"] for m in plain]
     assert [m.get("val_loss") for m in ahead] == [m.get("val_loss") for m in plain]
     assert [m["sample_ids"].tolist() for m in ahead] == [m["sample_ids"].tolist() for m in plain]

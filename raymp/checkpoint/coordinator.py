@@ -1,6 +1,8 @@
 """The driver's side of checkpointing: when to save, and committing a save once every rank's
-shards are on storage. Ranks report a finished background save with their next step's result,
-so committing costs no extra call; the marker goes on last (see store.py)."""
+shards are on storage. A save due after a step rides on that step's own call (a SaveOrder: the
+ranks start it once the update is applied), so the next step can be queued behind it; ranks
+report a finished background save with a later step's result, so committing costs no extra call
+either. The marker goes on last (see store.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,17 @@ from raymp.checkpoint.integrity import directory_files
 from raymp.checkpoint.lineage import Lineage
 from raymp.checkpoint.store import Checkpoint
 from raymp.storage import free_space_note
+
+
+@dataclass(frozen=True)
+class SaveOrder:
+    """A checkpoint save that rides on a step's own call: once the step's update is applied, the
+    rank starts writing its part of the state after `steps_done` steps to `path` (so the driver
+    can queue the next step behind it, and a save costs no round trip of its own)."""
+
+    path: str
+    steps_done: int
+    async_save: bool | str
 
 
 @dataclass
@@ -30,21 +43,35 @@ class CheckpointCoordinator:
         self.write_timeout_s = write_timeout_s
         self.on_commit = on_commit  # on_commit(step): the steps before it are final
         self.pending: PendingSave | None = None
+        self.ordered: SaveOrder | None = None  # riding on a step whose results are not read yet
         self.committed: list[Checkpoint] = []
         self.failed: list[tuple[int, str]] = []
 
     def due(self, steps_done: int, total_steps: int) -> bool:
         return bool(self.every) and (steps_done % self.every == 0 or steps_done == total_steps)
 
+    def order(self, steps_done: int, total_steps: int) -> SaveOrder | None:
+        """The save due after `steps_done` steps, to ride on the call of the step that completes
+        them; None when none is due, or one is still in flight or ordered (then the save due
+        starts by its own call, after the step: start())."""
+        if not self.due(steps_done, total_steps) or self.pending is not None or self.ordered is not None:
+            return None
+        self._before_save()
+        self.ordered = SaveOrder(self.store.prepare(steps_done), steps_done, self.async_save)
+        return self.ordered
+
+    def _before_save(self) -> None:
+        moved = self.lineage.before_save()
+        if moved:
+            self.log(f"checkpoint: {len(moved)} checkpoint(s) of the timeline this run rewound from moved "
+                     f"aside, never loaded by it: {moved[0].rsplit('/', 1)[0]}")
+
     def start(self, group, steps_done: int, meta: dict) -> dict:
         """Ask every rank to write its shards of the state after `steps_done` steps. Returns how
         long the ranks were blocked (max over ranks): the cost the step loop sees."""
         if self.pending is not None:
             self.finish(group)  # commits in order: one save in flight at a time
-        moved = self.lineage.before_save()
-        if moved:
-            self.log(f"checkpoint: {len(moved)} checkpoint(s) of the timeline this run rewound from moved "
-                     f"aside, never loaded by it: {moved[0].rsplit('/', 1)[0]}")
+        self._before_save()
         path = self.store.prepare(steps_done)
         # Pending before the ranks are asked: a stop (KeyboardInterrupt) that lands while they are
         # being asked must still find this save to commit; their write goes on either way.
@@ -84,14 +111,24 @@ class CheckpointCoordinator:
             self.on_commit(checkpoint.step)
         return checkpoint
 
-    def after_step(self, group, reports: list[dict | None], steps_done: int, total_steps: int, meta,
-                   metrics: dict) -> bool:
-        """After a step: commit the save the ranks report finished, and start the one due now
-        (`meta()` gives its record). Notes both in the step's metrics; True if a save started."""
+    def after_step(self, group, reports: list[dict | None], started: list[dict | None], steps_done: int,
+                   total_steps: int, meta, metrics: dict) -> bool:
+        """After a step: commit the save the ranks report finished, and take on the one due now:
+        in flight already if it rode on the step (`started`: each rank's start of it), else
+        started by its own call (a non-finite step starts no save it carries). `meta()` gives
+        its record. Notes both in the step's metrics; True if a save started."""
         if (done := self.collect(reports)) is not None:
             metrics["checkpoint_committed"] = done.step
         if not self.due(steps_done, total_steps):
             return False
+        order, self.ordered = self.ordered, None
+        if order is not None and order.steps_done == steps_done and any(started):
+            if not all(started):  # never: every rank sees the same global gradient norm
+                raise RuntimeError(f"the save of step {steps_done} started on ranks "
+                                   f"{[r for r, s in enumerate(started) if s]} only")
+            self.pending = PendingSave(steps_done, order.path, meta(), len(started))
+            metrics["checkpoint_blocked_s"] = max(s["blocked_s"] for s in started)
+            return True
         metrics["checkpoint_blocked_s"] = self.start(group, steps_done, meta())["blocked_s"]
         return True
 
@@ -130,7 +167,7 @@ class CheckpointCoordinator:
         every rank's shards were written before the loss (DCP's coordinator writes it only after
         all ranks report their writes done): commit it. Otherwise it stays uncommitted, is never
         loaded, and a later prune deletes it. Returns (its step, the commit or None)."""
-        pending, self.pending = self.pending, None
+        pending, self.pending, self.ordered = self.pending, None, None  # an ordered save is never committed
         if pending is None:
             return None, None
         if self.store.has_index(pending.step):

@@ -73,16 +73,18 @@ class Session:
     def run_step(self, step: int, next_may_start: bool = False) -> tuple[list, dict]:
         """One optimizer step on every rank: (the ranks' reports, the step's metrics).
         `next_may_start`: the caller will run step+1 next with nothing in between on its side, so
-        step+1 is queued on the ranks before this step's results are read (unless a save is due
-        between the two): the ranks start it the moment this one ends, while the driver handles
-        this step's metrics, commits and tracking. Look-ahead is one step deep."""
+        step+1 is queued on the ranks before this step's results are read: the ranks start it the
+        moment this one ends (and the save due between, which rides on this step's call: see
+        CheckpointCoordinator.order), while the driver handles this step's metrics, commits and
+        tracking. Not across a save that could not ride, nor a peer copy. Look-ahead is one step deep."""
         cfg = self.config
         ahead, self._ahead = self._ahead, None
         pending = ahead if ahead is not None and ahead[0] == step else self._dispatch(step)
-        if next_may_start and not (self.checkpoints.due(step + 1, cfg.train.steps) or self.launcher.peer_copies.due(step + 1)):
+        _, refs, dispatched, rides = pending
+        save_between = self.checkpoints.due(step + 1, cfg.train.steps) and not rides
+        if next_may_start and not (save_between or self.launcher.peer_copies.due(step + 1)):
             self._ahead = self._dispatch(step + 1)
             self.queued_early.append(step + 1)
-        _, refs, dispatched = pending
         started = max(dispatched, self._last_collected)  # a queued step starts when the one before ends
         try:
             reports = self.group.collect(refs, *self.deadline.limit())
@@ -96,8 +98,10 @@ class Session:
         return reports, step_metrics(step, reports, cfg.parallel.layout, cfg, self._last_collected - started,
                                      *self._step_constants)
 
-    def _dispatch(self, step: int) -> tuple[int, list, float]:
-        return step, self.group.submit("train_step", step), time.perf_counter()
+    def _dispatch(self, step: int) -> tuple[int, list, float, bool]:
+        """Queue `step` on every rank, with the save due after it when it can ride on the call."""
+        order = self.checkpoints.order(step + 1, self.config.train.steps)
+        return step, self.group.submit("train_step", step, order), time.perf_counter(), order is not None
 
     def evaluate(self) -> float:
         return sum(losses := [x for x in self.group.call("evaluate") if x is not None]) / len(losses)
@@ -224,7 +228,8 @@ class Session:
     def after_step(self, reports: list, steps_done: int, metrics: dict, wants_to_grow) -> bool:
         """Commit what the ranks finished writing and start the save due now. True when the
         run should grow back now: it wants to (`wants_to_grow()`) and that save just committed."""
-        started = self.checkpoints.after_step(self.group, [r.checkpoint for r in reports], steps_done,
+        started = self.checkpoints.after_step(self.group, [r.checkpoint for r in reports],
+                                              [r.save_started for r in reports], steps_done,
                                               self.config.train.steps, self.checkpoint_meta, metrics)
         if self.launcher.peer_copies.due(steps_done) and self.checkpoints.pending is None:  # none in flight
             self.launcher.peer_copies.take(self.group, steps_done, self.launcher.feed.position().to_dict())
@@ -272,13 +277,21 @@ class Session:
 
     def commit_on_stop(self) -> None:
         """The run was stopped (Ctrl-C, SIGTERM, `ray job stop`): commit the save in flight, with
-        further stop signals held until it is done, and say what was kept."""
-        if self.checkpoints is None or self.checkpoints.pending is None:
+        further stop signals held until it is done, and say what was kept. A save that rode on a
+        step whose results never came back is not kept: the run stopped inside that step."""
+        if self.checkpoints is None:
+            return
+        if self.checkpoints.pending is None:
+            if (ordered := self.checkpoints.ordered) is not None:
+                self.say(f"stopped before step {ordered.steps_done} came back: its checkpoint, started by the "
+                         f"ranks with it, is not kept; {self._latest_committed()}")
             return
         step = self.checkpoints.pending.step
         with stop_signals_held(self.say, f"committing the checkpoint of step {step}"):
             _, committed = self.checkpoints.stop(self.group)
-        latest = self.checkpoints.store.latest()
         self.say(f"stopped: the checkpoint of step {step} " + ("was committed" if committed else
-                 "was still being written and is not kept") + "; the latest committed checkpoint is "
-                 + (f"step {latest.step}: {latest.path}" if latest else "none"))
+                 "was still being written and is not kept") + f"; {self._latest_committed()}")
+
+    def _latest_committed(self) -> str:
+        latest = self.checkpoints.store.latest()
+        return "the latest committed checkpoint is " + (f"step {latest.step}: {latest.path}" if latest else "none")

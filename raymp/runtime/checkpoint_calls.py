@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import ray
 
+from raymp.checkpoint.coordinator import SaveOrder
 from raymp.checkpoint.in_memory import load_from_bytes
 from raymp.checkpoint.integrity import verify_files
 
@@ -16,6 +17,18 @@ class CheckpointCalls:
         """Start writing this rank's part of step's checkpoint (see raymp.checkpoint)."""
         self.peer_copy.wait_written()
         return self.checkpointer.save(path, step, self.program, self.engine, self.scheduler, async_save)
+
+    def checkpoint_after_step(self, order: SaveOrder | None, applied: bool) -> tuple[dict | None, dict | None]:
+        """At the end of a step's call: the outcome of a save finished since the last step, and
+        the start of the save the call carries (`order`), if its update was `applied`. A
+        non-finite step starts none: train.on_nonfinite decides on the driver first whether the
+        run goes on from that state (and skip saves it then, by its own call)."""
+        if order is None or not applied:
+            return self.checkpointer.poll(), None
+        self.peer_copy.wait_written()
+        finished = self.checkpointer.wait()  # none in flight: the driver orders a save only then
+        return finished, self.checkpointer.save(order.path, order.steps_done, self.program, self.engine,
+                                                self.scheduler, order.async_save)
 
     def wait_checkpoint(self, timeout_s: float | None = None) -> dict | None:
         """Finish the save in flight (RankCheckpointer.wait)."""

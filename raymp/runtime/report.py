@@ -26,6 +26,7 @@ class RankReport:
     memory_step: int = -1  # the step the memory figures above were measured on (measures_memory)
     sample_ids: np.ndarray | None = None  # first-stage ranks: the samples this rank read
     checkpoint: dict | None = None  # a save's outcome, when one finished since the last step
+    save_started: dict | None = None  # the step's SaveOrder, started: blocked_s, wait_s, stage_s
     pipeline_events: list = field(default_factory=list)  # pipelines: this rank's stage clock
     routing: dict = field(default_factory=dict)  # MoE: per block of this rank, the global batch's routing
 
@@ -38,7 +39,7 @@ class RankReport:
     def public(self) -> dict:
         """The report as the run's history keeps it (without ids, events and save outcomes)."""
         out = asdict(self)
-        for key in ("sample_ids", "checkpoint", "pipeline_events", "routing"):
+        for key in ("sample_ids", "checkpoint", "save_started", "pipeline_events", "routing"):
             out.pop(key)
         return out
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 # peer of a rank that left it waits out the timeout; docs/design.md, traps).
 import torch.distributed.nn  # noqa: F401
 
+from raymp.checkpoint.coordinator import SaveOrder
 from raymp.checkpoint.in_memory import PeerCopyWriter
 from raymp.checkpoint.rank_state import RankCheckpointer, host_state, load_host_state
 from raymp.data.stream import ReplicaStream
@@ -197,13 +198,14 @@ class Worker(CheckpointCalls):
 
     # -- the step ---------------------------------------------------------------------------
 
-    def train_step(self, step: int) -> RankReport:
+    def train_step(self, step: int, save: SaveOrder | None = None) -> RankReport:
         """One optimizer step over this replica's share of global batch `step`; first-stage
-        ranks pull it from their stream, the other stages get activations instead."""
+        ranks pull it from their stream, the other stages get activations instead. `save`: start
+        a checkpoint of the state after it (CheckpointCalls.checkpoint_after_step)."""
         if self.broken:
             raise dist.DistError("this rank left its process group after a peer was lost")
         try:
-            return self._train_step(step)
+            return self._train_step(step, save)
         except Exception as exc:
             if not is_peer_loss(exc):
                 raise
@@ -242,7 +244,7 @@ class Worker(CheckpointCalls):
         if any(ref() is not None for ref in watch):
             gc.collect()
 
-    def _train_step(self, step: int) -> RankReport:
+    def _train_step(self, step: int, save: SaveOrder | None) -> RankReport:
         t0 = time.perf_counter()
         sample_ids = tokens = None
         data_wait = 0.0
@@ -267,10 +269,11 @@ class Worker(CheckpointCalls):
             self.memory.record(step, out, self.engine.state_bytes())
         self.engine.optimizer.zero_grad(set_to_none=True)
         self.engine.after_optimizer_step()
+        compute_s = time.perf_counter() - t0
+        finished, started = self.checkpoint_after_step(save, math.isfinite(grad_norm))
         return RankReport(rank=self.rank, **out, sample_ids=sample_ids, data_wait_s=data_wait,
-                          grad_norm=grad_norm, lr=lr, compute_s=time.perf_counter() - t0,
-                          peak_mem_bytes=peak_memory(self.device), checkpoint=self.checkpointer.poll(), routing=routing,
-                          **self.memory.last)
+                          grad_norm=grad_norm, lr=lr, compute_s=compute_s, peak_mem_bytes=peak_memory(self.device),
+                          checkpoint=finished, save_started=started, routing=routing, **self.memory.last)
 
     def evaluate(self) -> float | None:
         """Mean validation loss over the held-out batches (last stages return it)."""

@@ -43,11 +43,11 @@ class HangingWorker(Worker):
     def arm_hang(self, step: int, rank: int, seconds: float) -> None:
         self._hang = (step, rank, seconds)
 
-    def train_step(self, step: int):
+    def train_step(self, step: int, save=None):
         hang_step, rank, seconds = getattr(self, "_hang", (None, None, 0))
         if step == hang_step and self.rank == rank:
             time.sleep(seconds)
-        return super().train_step(step)
+        return super().train_step(step, save)
 
 
 class FailingStorageWorker(Worker):
@@ -122,13 +122,13 @@ class EndlessStepWorker(Worker):
     def arm_endless(self, step: int, rank: int) -> None:
         self._endless = (step, rank)
 
-    def _train_step(self, step: int):
+    def _train_step(self, step: int, save):
         if (step, self.rank) == getattr(self, "_endless", None):
             self._endless = None  # the retry runs normally
             while True:
                 self.program.meter.on_activation()
                 time.sleep(0.01)
-        return super()._train_step(step)
+        return super()._train_step(step, save)
 
 
 class DiesAfterStepWorker(Worker):
@@ -138,8 +138,8 @@ class DiesAfterStepWorker(Worker):
     def arm_die_after(self, step: int, rank: int) -> None:
         self._die_after = (step, rank)
 
-    def train_step(self, step: int):
-        report = super().train_step(step)
+    def train_step(self, step: int, save=None):
+        report = super().train_step(step, save)
         if (step, self.rank) == getattr(self, "_die_after", None):
             os._exit(1)
         return report
@@ -166,9 +166,9 @@ class NonFiniteGradientWorker(Worker):
         self._poisoned_steps = set(steps) if self.rank == rank else set()
         self._poison_once = once
 
-    def _train_step(self, step: int):
+    def _train_step(self, step: int, save):
         if step not in getattr(self, "_poisoned_steps", ()):
-            return super()._train_step(step)
+            return super()._train_step(step, save)
         if self._poison_once:
             self._poisoned_steps.discard(step)
         program = self.program
@@ -182,6 +182,6 @@ class NonFiniteGradientWorker(Worker):
 
         program.forward_backward = poisoned
         try:
-            return super()._train_step(step)
+            return super()._train_step(step, save)
         finally:
             del program.forward_backward
