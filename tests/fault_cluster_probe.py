@@ -39,7 +39,7 @@ class SlowWriteWorker(Worker):
     exists: a save stays in flight on demand. Defined in the probe's __main__, so Ray ships the
     class by value."""
 
-    def setup(self, cfg, vocab_size: int, *args) -> dict:
+    def setup(self, cfg, vocab_size: int, *args):
         info = super().setup(cfg, vocab_size, *args)
         make_writer = self.checkpointer.writer_factory
         release = cfg.output_dir + "/release-writes"
@@ -70,7 +70,7 @@ class HoldStepWorker(Worker):
     survivors have taken the step and the run must restart from storage). One-shot: the rank of
     that number after the loss runs the step. Shipped by value, like SlowWriteWorker."""
 
-    def setup(self, cfg, vocab_size: int, *args) -> dict:
+    def setup(self, cfg, vocab_size: int, *args):
         self._hold_dir = cfg.output_dir
         return super().setup(cfg, vocab_size, *args)
 

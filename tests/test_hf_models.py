@@ -197,7 +197,7 @@ def test_pp2_tp2_loading_holds_a_quarter_of_the_weights_per_rank(big_llama_dir, 
     try:
         cfg = hf_run(tiny_cfg, model, {"dp": 1, "pp": 2, "tp": 2, "micro_batch_size": 1}, steps=1)
         with Trainer(cfg, actor_group=group, progress=False).setup() as trainer:
-            loads = [info["setup_peak_bytes"] for info in trainer.session.setup_info]
+            loads = [info.setup_peak_bytes for info in trainer.session.setup_info]
             loss = trainer.step()["loss"]
         for rank, grew in enumerate(loads):
             assert grew <= 0.40 * full, f"rank {rank} grew {grew / 2**20:.0f} MiB for {full / 2**20:.0f} MiB of weights"
@@ -205,7 +205,7 @@ def test_pp2_tp2_loading_holds_a_quarter_of_the_weights_per_rank(big_llama_dir, 
         assert_losses_match([loss], ref, 1e-5)
         whole = hf_run(tiny_cfg, model, {"dp": 4, "micro_batch_size": 1}, steps=1)
         with Trainer(whole, actor_group=group, progress=False).setup() as trainer:
-            whole_loads = [info["setup_peak_bytes"] for info in trainer.session.setup_info]
+            whole_loads = [info.setup_peak_bytes for info in trainer.session.setup_info]
         print(f"load peak per rank, MiB of {full / 2**20:.0f}: pp2xtp2 {[round(x / 2**20) for x in loads]}, "
               f"dp4 {[round(x / 2**20) for x in whole_loads]}")
         assert min(whole_loads) >= 0.7 * full, whole_loads

@@ -22,6 +22,7 @@ from raymp.parallel.pipeline import balance_stages
 from raymp.planner import estimate
 from raymp.runtime.actor_group import ActorGroup
 from raymp.runtime.cluster import host_memory_problem
+from raymp.runtime.report import RankSetup
 
 
 def as_config(config: RunConfig | str | Path | dict, overrides: list[str] | None = None) -> RunConfig:
@@ -52,7 +53,7 @@ class Launched:
     group: ActorGroup
     config: RunConfig  # with the stage split decided
     restored: Checkpoint | None
-    setup_info: list[dict]  # per rank: coords, stages, parameters, setup_peak_bytes
+    setup_info: list[RankSetup]  # per rank
     memory_estimate: list  # the planner's RankEstimate per pipeline stage
 
 

@@ -21,6 +21,7 @@ from raymp.elastic import with_dp, with_replicas
 from raymp.models import model_args
 from raymp.step_time import step_flops
 from raymp.runtime.actor_group import ActorGroup, WorkerLostError
+from raymp.runtime.report import RankSetup
 from raymp.version import __version__
 
 
@@ -33,7 +34,7 @@ class Session:
         self.tracking, self._on_restart = tracking, on_restart
         self.group: ActorGroup | None = None
         self.checkpoints: CheckpointCoordinator | None = None
-        self.setup_info: list[dict] = []  # per rank: coords, stages, parameters, setup_peak_bytes
+        self.setup_info: list[RankSetup] = []  # per rank: coords, stages, parameters, set-up memory
         self.memory_estimate: list = []  # the planner's RankEstimate per pipeline stage
         self.initial_position = None  # where a run without a checkpoint started
         self._ahead = None  # (step, refs, dispatched at): a step queued on the ranks, not yet collected
@@ -111,7 +112,7 @@ class Session:
 
     def layout_rows(self) -> list[dict]:
         lay = self.config.parallel.layout
-        return [{"rank": r, **lay.coords(r), "stages": self.setup_info[r].get("stages", {}), **info}
+        return [{"rank": r, **lay.coords(r), "stages": self.setup_info[r].stages, **info}
                 for r, info in enumerate(self.group.nodes)]
 
     # -- what the elastic controller drives ---------------------------------------------------

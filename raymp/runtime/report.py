@@ -8,6 +8,17 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 
+@dataclass(frozen=True)
+class RankSetup:
+    """What one rank reports once its part of the model is built (Worker.setup)."""
+
+    rank: int
+    coords: dict[str, int]  # its place in the mesh: dp, cp, pp, tp (Layout.coords)
+    num_params: int  # parameters of its part
+    setup_peak_bytes: int | None  # memory building and loading its part took at its peak (None: unmeasured)
+    stages: dict = field(default_factory=dict)  # pipelines: stage index -> layer indices it holds
+
+
 @dataclass
 class RankReport:
     rank: int

@@ -36,7 +36,7 @@ from raymp.runtime.gradients import full_gradients
 from raymp.runtime.peer_loss import GroupSockets, StepAbandon, is_peer_loss, leave_process_groups
 from raymp.runtime.process_memory import (freeze_what_is_here, peak_memory, peak_rss, reset_peak_rss,
                                           return_large_buffers_to_os)
-from raymp.runtime.report import MemorySampler, RankReport
+from raymp.runtime.report import MemorySampler, RankReport, RankSetup
 from raymp.runtime.steps import LocalStep, PipelineStep, forget_tied_groups
 
 
@@ -141,7 +141,7 @@ class Worker(CheckpointCalls):
 
     # -- model set-up -----------------------------------------------------------------------
 
-    def setup(self, cfg, vocab_size: int, document_eot: int | None = None, kept: bool = False) -> dict:
+    def setup(self, cfg, vocab_size: int, document_eot: int | None = None, kept: bool = False) -> RankSetup:
         """Build this rank's part of the model + optimizer from the RunConfig the driver validated
         (sent as the object: not validated again); `document_eot`: the end-of-text id when
         documents are masked (data.document_mask); `kept`: restore_kept() follows, so no initial
@@ -169,12 +169,9 @@ class Worker(CheckpointCalls):
         self.memory = MemorySampler(cfg.train.steps, cfg.train.memory_every)
         self.scheduler = build_scheduler(self.engine.optimizer, cfg.optimizer, cfg.train.steps)
         self.eval_tokens = []
-        info = {"rank": self.rank, "coords": self.coords, "num_params": self.program.num_params,
-                # How much memory building and loading this rank's part took at its peak.
-                "setup_peak_bytes": None if rss_before is None else peak_rss() - rss_before}
-        if dims.pp > 1:
-            info["stages"] = self.program.stage_layers
-        return info
+        return RankSetup(self.rank, self.coords, self.program.num_params,
+                         None if rss_before is None else peak_rss() - rss_before,
+                         self.program.stage_layers if dims.pp > 1 else {})
 
     # -- data -------------------------------------------------------------------------------
 
