@@ -123,3 +123,24 @@ def test_a_checkpoint_of_nonfinite_state_is_never_committed(tmp_path):
         assert report["step"] == 1 and "non-finite values (optim.w.exp_avg)" in report["error"], report
     finally:
         dist.destroy_process_group()
+
+
+def test_the_save_guard_finds_a_nan_or_an_inf_anywhere():
+    """nonfinite_entries reads each tensor's min and max: a NaN or an inf at any place, in any
+    floating dtype, shows in them; finite and empty tensors pass."""
+    import torch
+
+    from raymp.checkpoint.rank_state import nonfinite_entries
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for n in (1, 63, 100_003):
+            for where in {0, n // 3, n - 1}:
+                for value in (float("nan"), float("inf"), float("-inf")):
+                    t = torch.randn(n).to(dtype)
+                    t[where] = value
+                    sd = {"fine": torch.randn(n).to(dtype), "bad": t, "empty": torch.empty(0, dtype=dtype),
+                          "step": torch.tensor(3)}
+                    assert nonfinite_entries(sd) == ["bad"], (dtype, n, where, value)
+    strided = torch.randn(10, 7)[:, ::2]
+    strided[3, 1] = float("nan")
+    assert nonfinite_entries({"s": strided}) == ["s"]
