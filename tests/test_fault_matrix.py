@@ -239,6 +239,16 @@ def _stop_after_4(cfg, group, signum) -> list[dict]:
             signal.signal(s, handler)
 
 
+def _interrupted(cfg, group, monkeypatch) -> list[dict]:
+    """Train until the patched calls raise KeyboardInterrupt; the steps done. The patches go."""
+    with Trainer(cfg, actor_group=group) as t:
+        with pytest.raises(KeyboardInterrupt):
+            t.fit()
+        done = list(t.history)
+    monkeypatch.undo()
+    return done
+
+
 def _resume_matches_reference(cfg, group, done: list[dict], ref) -> None:
     with Trainer(cfg, actor_group=group, progress=False) as t:
         assert t.setup().global_step == 4  # from the checkpoint committed at the stop
@@ -278,11 +288,7 @@ def test_a_stop_while_the_ranks_are_asked_to_save_still_commits_that_save(
 
     monkeypatch.setattr(group2, "call", stopped_while_asking)
     cfg = matrix_cfg(tmp_path, data_cache)
-    with Trainer(cfg, actor_group=group2) as t:
-        with pytest.raises(KeyboardInterrupt):
-            t.fit()
-        done = list(t.history)
-    monkeypatch.undo()
+    done = _interrupted(cfg, group2, monkeypatch)
     assert [c.step for c in CheckpointStore(str(tmp_path / "checkpoints")).committed()] == [2, 4]
     assert "stopped: the checkpoint of step 4 was committed" in capsys.readouterr().out
     _resume_matches_reference(cfg, group2, done, ref)
@@ -316,11 +322,7 @@ def test_a_stop_before_the_step_carrying_a_save_comes_back_keeps_the_checkpoint_
     monkeypatch.setattr(group2, "submit", noting)
     monkeypatch.setattr(group2, "collect", stopped_on_its_results)
     cfg = matrix_cfg(tmp_path, data_cache)
-    with Trainer(cfg, actor_group=group2) as t:
-        with pytest.raises(KeyboardInterrupt):
-            t.fit()
-        done = list(t.history)
-    monkeypatch.undo()
+    done = _interrupted(cfg, group2, monkeypatch)
     assert [m["step"] for m in done] == [0]
     assert CheckpointStore(str(tmp_path / "checkpoints")).committed() == []
     assert "stopped before step 2 came back: its checkpoint, started by the ranks with it, is not kept; " \
