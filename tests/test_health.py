@@ -56,10 +56,14 @@ def test_the_automatic_deadline_skips_the_first_step_and_follows_the_slowest():
     deadline.observe(9.0)
     seconds, knob = deadline.limit()
     assert seconds == 90 and "elastic.hang_factor=10" in knob and "elastic.hang_floor_s=60" in knob
+    # A step whose call also writes a blocking checkpoint gets checkpoint.write_timeout_s more.
+    seconds, knob = deadline.limit(600.0)
+    assert seconds == 690 and "checkpoint.write_timeout_s=600" in knob and "elastic.hang_factor" in knob
     deadline.new_launch()
-    assert deadline.limit()[0] is None
+    assert deadline.limit()[0] is None and deadline.limit(600.0)[0] is None
     fixed = StepDeadline(config_from_dict({"elastic": {"step_timeout_s": 5}}).elastic)
     assert fixed.limit() == (5, "elastic.step_timeout_s")
+    assert fixed.limit(30.0)[0] == 35
     off = StepDeadline(config_from_dict({"elastic": {"hang_factor": 0}}).elastic)
     off.observe(1.0), off.observe(1.0)
     assert off.limit()[0] is None

@@ -86,8 +86,18 @@ class StepDeadline:
             self.slowest = step_time_s if self.slowest is None else max(self.slowest, step_time_s)
         self.first_seen = True
 
-    def limit(self) -> tuple[float | None, str]:
-        """(seconds to wait for the next step or None, the setting that gave them)."""
+    def limit(self, writes_checkpoint_s: float | None = None) -> tuple[float | None, str]:
+        """(seconds to wait for the next step or None, the setting that gave them).
+        `writes_checkpoint_s`: the step's call also writes a checkpoint to storage before it
+        returns (a blocking save riding on it), which may take that much longer
+        (checkpoint.write_timeout_s); such a step is not observe()d either."""
+        seconds, knob = self._step_limit()
+        if seconds is None or writes_checkpoint_s is None:
+            return seconds, knob
+        return seconds + writes_checkpoint_s, (f"{knob}, plus checkpoint.write_timeout_s={writes_checkpoint_s:g} "
+                                               "for the checkpoint the step writes")
+
+    def _step_limit(self) -> tuple[float | None, str]:
         if self.fixed is not None:
             return self.fixed, "elastic.step_timeout_s"
         slowest = self.slowest

@@ -87,15 +87,18 @@ class Session:
             self._ahead = self._dispatch(step + 1)
             self.queued_early.append(step + 1)
         started = max(dispatched, self._last_collected)  # a queued step starts when the one before ends
+        # A blocking save riding on the step is written inside its call: more time, not a hang.
+        writes = cfg.checkpoint.write_timeout_s if rides and not cfg.checkpoint.async_save else None
         try:
-            reports = self.group.collect(refs, *self.deadline.limit())
+            reports = self.group.collect(refs, *self.deadline.limit(writes))
         except WorkerLostError as lost:
             # The survivors' calls end with errors of their own: read later (read_failed_calls).
             self._unread = refs + (self._ahead[1] if self._ahead else [])
             self._ahead = None  # its ranks are torn down with the failed step's
             raise WorkerLostError(f"step {step}: {lost}", lost.rank, lost.kind, step) from lost
         self._last_collected = time.perf_counter()
-        self.deadline.observe(self._last_collected - started)
+        if writes is None:
+            self.deadline.observe(self._last_collected - started)
         return reports, step_metrics(step, reports, cfg.parallel.layout, cfg, self._last_collected - started,
                                      *self._step_constants)
 
