@@ -37,7 +37,7 @@ class Session:
         self.setup_info: list[RankSetup] = []  # per rank: coords, stages, parameters, set-up memory
         self.memory_estimate: list = []  # the planner's RankEstimate per pipeline stage
         self.initial_position = None  # where a run without a checkpoint started
-        self._ahead = None  # (step, refs, dispatched at): a step queued on the ranks, not yet collected
+        self._ahead = None  # (step, refs, dispatched at, carries a save): queued, not yet collected
         self._unread: list = []  # a failed step's calls whose results were never read
         self._last_collected = 0.0  # when the last step's results came back
         self.queued_early: list[int] = []  # steps queued before the previous one's results were read
