@@ -216,19 +216,31 @@ class Trainer:
             if self.config.parallel.pp > 1 and self.history:
                 paths = self.timeline(on_drawn=self.tracking.log_artifacts)
                 bar.print(f"pipeline timeline of the last step: {paths['png']} (Chrome trace: {paths['trace']})")
-            done = self.global_step >= total
-            if status != "FINISHED" or done:
-                latest = self.checkpoints.store.latest() if self.checkpoints else None
-                self.tracking.finish(status, self.history, self.run_name, latest, complete=done)
+            if status != "FINISHED" or self.global_step >= total:
+                self.end_tracking(status)
         bar.print(self.summary())
         return self.history
+
+    def end_tracking(self, status: str, complete: bool | None = None) -> None:
+        """End the MLflow run (FINISHED, KILLED or FAILED) with what a resume and `raymp runs`
+        read, then the loss curve. `complete` (default: all train.steps done) publishes the steps
+        after the last checkpoint; an incomplete run drops them, as its resume redoes them."""
+        latest = self.checkpoints.store.latest() if self.checkpoints else None
+        done = self.global_step >= self.config.train.steps if complete is None else complete
+        self.tracking.finish(status, self.history, self.run_name, latest, complete=done)
 
     # -- checkpoints --------------------------------------------------------------------------
 
     def save_checkpoint(self) -> Checkpoint:
         """Write a checkpoint of the state after the steps done so far, and wait until it is
-        committed (fit() saves every checkpoint.every steps by itself)."""
+        committed (fit() saves every checkpoint.every steps by itself). A save of this step already
+        started (checkpoint.every) is committed and returned rather than written twice."""
         self.setup()
+        self.session.commit_in_flight()
+        latest = self.checkpoints.store.latest()
+        ours = latest is not None and (latest.meta.get("lineage") or {}).get("id") == self.lineage.id
+        if ours and latest.step == self.global_step:  # another lineage's step N is another state
+            return latest
         return self.session.save_now(self.global_step)
 
     def load_checkpoint(self, checkpoint: str | Checkpoint) -> None:

@@ -141,6 +141,8 @@ class TrackingConfig(Strict):
     connect_timeout_s: float = Field(10, gt=0, description="for a tracking server to answer at start")
     system_metrics: bool = Field(False, description="log CPU/GPU/memory/network (MLflow's psutil monitor)")
     system_metrics_interval_s: float = Field(10, gt=0, description="seconds between system-metric samples")
+    parent_run_id: str | None = Field(
+        None, description="nest the run under this MLflow run (a sweep's trials under the sweep's run)")
     resume_run_id: str | None = Field(
         None, description="continue this MLflow run (a run killed outright); a resumed checkpoint "
         "continues its own run without it")

@@ -132,6 +132,7 @@ def run_tags(cfg: RunConfig, device: str, backend: str, num_params: int) -> dict
         "raymp.version": __version__, "torch.version": torch.__version__,
         "ray.version": ray.__version__, "ray.address": ray.get_runtime_context().gcs_address,
         **({"git.commit": commit} if (commit := git_commit()) else {}),
+        **({"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else {}),
     }
 
 
