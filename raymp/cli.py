@@ -7,6 +7,7 @@ import sys
 
 import yaml
 
+from raymp.errors import user_errors
 from raymp.layout import Layout  # light (the config loads it anyway); the heavy modules load per command
 
 
@@ -84,6 +85,11 @@ def _parser() -> argparse.ArgumentParser:
     runs.add_argument("--plot", metavar="PNG", help="with --compare: draw their loss, tokens/s and peak memory here")
     runs.add_argument("--limit", type=int, default=50, help="newest runs to list (default 50)")
 
+    sweep = sub.add_parser("sweep", help="search config fields on Ray Tune: each trial a run, all nested in MLflow")
+    sweep.add_argument("sweep", help="path to a sweep file, e.g. configs/sweeps/tiny-lr.yaml")
+    sweep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a field of the sweep's base config, for every trial (repeatable)")
+
     show = sub.add_parser("config", help="validate a config and print it fully resolved")
     show.add_argument("config")
     show.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -103,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             return _checkpoint(args)
         if args.command == "runs":
             return _runs(args)
+        if args.command == "sweep":
+            return _sweep(args)
         cfg = load_config(args.config, args.overrides)
         if args.command == "config":
             print(yaml.safe_dump(resolved_dict(cfg), sort_keys=False), end="")
@@ -120,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(trainer.summary())
         return 0
     except Exception as exc:
-        if not isinstance(exc, _user_errors()):
+        if not isinstance(exc, user_errors()):
             raise
         print(f"raymp: error: {exc}", file=sys.stderr)
         return 2
@@ -129,18 +137,21 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-# The errors that end a command with one line and exit status 2, by where they are defined.
-_USER_ERRORS = (("raymp.config.schema", "ConfigError"), ("raymp.data", "DataError"),
-                ("raymp.runtime.actor_group", "PlacementError"), ("raymp.runtime.actor_group", "WorkerLostError"),
-                ("raymp.elastic", "ElasticError"), ("raymp.checkpoint.store", "CheckpointError"),
-                ("raymp.driver.health", "NonFiniteError"))
+def _sweep(args) -> int:
+    from raymp.sweeps import sweep
 
-
-def _user_errors() -> tuple[type, ...]:
-    """Those of _USER_ERRORS whose module a command has imported: an error can only come from a
-    module that was loaded, so a command pays for no import it did not need (`raymp config`
-    would otherwise load torch's checkpointing, Ray and the worker only to name their errors)."""
-    return tuple(getattr(sys.modules[module], name) for module, name in _USER_ERRORS if module in sys.modules)
+    result = sweep(args.sweep, args.overrides)
+    print(result.table())
+    for trial in result.trials:
+        if trial.error:
+            print(f"trial {trial.trial_id} failed: {trial.error}")
+    if result.best is None:
+        print(f"raymp: error: no trial of sweep {result.name} reported {result.metric}", file=sys.stderr)
+        return 1
+    print(f"best: trial {result.best.trial_id}, {result.metric}={result.best.value:.4g}, "
+          + ", ".join(f"{k}={v}" for k, v in result.best.params.items())
+          + (f"; MLflow parent run {result.parent_run_id}" if result.parent_run_id else ""))
+    return 0
 
 
 def _prepare_data(args) -> int:

@@ -46,6 +46,27 @@ def test_bad_config_exits_2_with_field_and_no_traceback():
     assert out.returncode == 2 and "not found" in out.stderr
 
 
+def test_sweep_prints_its_table_and_nothing_else(tmp_path):
+    """The example sweep, shortened: 2 trials without early stopping. Tune's progress tables, file
+    loggers and INFO lines stay out; the trials' table and the best trial are what it prints."""
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(f"base: {ROOT / 'configs/tiny.yaml'}\nset: [train.steps=4, optimizer.warmup_steps=1]\n"
+                     "space: {parallel.zero: {grid: [0, 2]}}\nasha: null\n")
+    out = raymp("sweep", str(sweep), "--set", f"output_dir={tmp_path}", "--set", f"data.cache_dir={tmp_path / 'c'}")
+    printed = out.stdout + out.stderr
+    assert out.returncode == 0, printed
+    assert not [word for word in NOISE if word in printed], printed
+    rows = [line for line in out.stdout.splitlines() if re.match(r"^\w+_0000[01]\s", line)]
+    assert len(rows) == 2 and all(" completed" in r for r in rows), out.stdout
+    assert re.search(r"^best: trial \w+, loss=\d", out.stdout, re.M), out.stdout
+    out = raymp("sweep", str(sweep), "--set", "parallel.dp=3")  # the base config refuses it, as train would
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "train.global_batch_size (32)" in out.stderr
+    sweep.write_text(sweep.read_text().replace("parallel.zero", "parallel.zeroo"))
+    out = raymp("sweep", str(sweep))
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith("raymp: error: sweep space: parallel.zeroo=0 is refused: "), out.stderr
+
+
 def test_config_command_prints_resolved_yaml():
     out = raymp("config", "configs/tiny.yaml", "--set", "parallel.zero=3")
     assert out.returncode == 0 and "zero: 3" in out.stdout and "dim: 64" in out.stdout

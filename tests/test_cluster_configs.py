@@ -88,7 +88,7 @@ def test_kuberay_pods_run_an_image_with_raymp_at_the_tested_ray_version():
     Dockerfile builds, FROM Ray's image of the version pyproject.toml pins."""
     docker = (ROOT / "cluster" / "kuberay" / "Dockerfile").read_text()
     base = next(line.split()[1] for line in docker.splitlines() if line.startswith("FROM "))
-    pinned = re.search(r'"ray\[default\]>=(\d+\.\d+)', (ROOT / "pyproject.toml").read_text()).group(1)
+    pinned = re.search(r'"ray\[[a-z,]+\]>=(\d+\.\d+)', (ROOT / "pyproject.toml").read_text()).group(1)
     assert base.startswith(f"rayproject/ray:{pinned}.") and "pip install" in docker and "/home/ray/raymp" in docker
     for name in ("raycluster.yaml", "rayjob.yaml"):
         doc = yaml.safe_load((ROOT / "cluster" / "kuberay" / name).read_text())

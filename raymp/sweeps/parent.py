@@ -1,0 +1,60 @@
+"""The sweep's MLflow parent run: the search (space, metric, scheduler) as params, and at the end
+the best trial (its params, value and run), a table of every trial and the metric drawn against
+each searched field. The trials are its child runs (tracking.parent_run_id)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from raymp.config import RunConfig
+from raymp.sweeps.spec import SweepSpec
+from raymp.tracking import RunTracker
+
+
+class ParentRun:
+    def __init__(self, spec: SweepSpec, base: RunConfig):
+        self.spec = spec
+        self.tracker = RunTracker(base, spec.name, {"raymp.sweep": "parent", "raymp.layout": base.parallel.layout.tag()})
+        self.run_id = self.tracker.run_id
+        self.tracker.log_params({"sweep.metric": spec.metric, "sweep.mode": spec.mode,
+                                 "sweep.samples": spec.samples, "sweep.trials": spec.trials(),
+                                 "sweep.asha": json.dumps(spec.asha.model_dump() if spec.asha else None),
+                                 **{f"sweep.space.{f}": json.dumps(how) for f, how in spec.space.items()}})
+
+    def finish(self, result) -> None:
+        tracker = self.tracker
+        tracker.log_text(result.table() + "\n", "trials.txt")
+        if (best := result.best) is not None:
+            tracker.set_tags({"raymp.best_trial": best.trial_id, "raymp.best_run_id": best.run_id,
+                              **{f"raymp.best.{f}": str(v) for f, v in best.params.items()}})
+            tracker.log_metrics(0, {f"best/{result.metric}": best.value}, final=True)
+        tracker.log_figure(self._figure(result), "metric_by_field.png")
+        failed = all(t.status == "failed" for t in result.trials)
+        tracker.finish("FAILED" if failed else "FINISHED", complete=True)
+
+    def _figure(self, result):
+        """The metric at each trial's last step against each searched field (log axis for a
+        loguniform field); the best trial marked."""
+        from matplotlib.figure import Figure
+
+        fields = list(self.spec.space)
+        fig = Figure(figsize=(4 * len(fields), 3.5))
+        for i, f in enumerate(fields):
+            ax = fig.add_subplot(1, len(fields), i + 1)
+            points = [(t.params.get(f), t.value) for t in result.trials
+                      if t.value is not None and not math.isnan(t.value)]
+            numeric = all(isinstance(x, (int, float)) for x, _ in points)
+            xs = [x if numeric else str(x) for x, _ in points]
+            ax.scatter(xs, [y for _, y in points])
+            if result.best is not None:
+                bx = result.best.params.get(f)
+                ax.scatter([bx if numeric else str(bx)], [result.best.value], marker="*", s=200, label="best")
+                ax.legend(fontsize=8)
+            if "loguniform" in self.spec.space[f]:
+                ax.set_xscale("log")
+            ax.set_xlabel(f)
+            ax.set_ylabel(result.metric)
+        fig.suptitle(f"{result.name}: {result.metric} at each trial's last step", fontsize=10)
+        fig.tight_layout()
+        return fig

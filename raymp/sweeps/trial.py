@@ -1,0 +1,101 @@
+"""One trial of a sweep: a whole raymp run (its own actors, data stream, MLflow run nested under
+the sweep's) driven one optimizer step per Tune iteration, so Tune's scheduler sees every step's
+metrics and can stop the trial between two steps."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from ray import tune
+
+from raymp.errors import user_errors
+from raymp.runtime.actor_group import WorkerLostError
+from raymp.trainer import Trainer
+from raymp.sweeps.spec import override
+
+# What a trial reports besides its step metrics: its MLflow run and how many steps it ran.
+RUN_ID = "raymp_run_id"
+STEPS_DONE = "raymp_steps"
+CHECKPOINT_FILE = "raymp_checkpoint.json"  # in Tune's checkpoint: which raymp checkpoint it is
+
+
+class RaympTrial(tune.Trainable):
+    """Tune's class API (not a function): Tune calls cleanup() when its scheduler stops a trial,
+    which is where the trial's MLflow run is marked with why it ended and its actors let go."""
+
+    def setup(self, config: dict[str, Any], base: dict, sweep_name: str, parent_run_id: str | None,
+              metric: str) -> None:
+        self.params, self.metric, self.last = dict(config), metric, None
+        name = f"{sweep_name}-{self.trial_id}"
+        sets = [override(field, value) for field, value in self.params.items()]
+        sets += [override("tracking.run_name", name)]
+        if parent_run_id:
+            sets.append(override("tracking.parent_run_id", parent_run_id))
+        for logger in ("ray.tune", "ray.train"):  # "checkpoint created" at every save: the sweep's table says it
+            logging.getLogger(logger).setLevel(logging.WARNING)
+        # A restarted trial is the same run: checkpoint.resume=auto finds its latest checkpoint
+        # and its MLflow run goes on (load_checkpoint then makes it the one Tune names).
+        self.ended: str | None = None  # why the run ended, when it did not run all its steps
+        self.setup_error: Exception | None = None
+        try:
+            self.trainer = Trainer(base, sets, progress=False)
+            self.trainer.setup()
+        except user_errors() as exc:
+            # Raised from the first step instead: an error in an actor's creation is printed by
+            # Ray with its traceback, one in a call only reaches Tune (the sweep prints its line).
+            self.setup_error, self.ended = exc, f"could not start: {exc}"
+
+    def step(self) -> dict:
+        if self.setup_error is not None:
+            raise self.setup_error
+        trainer = self.trainer
+        while True:
+            try:
+                metrics = trainer.step()
+                break
+            except WorkerLostError as lost:  # a lost node: recovered as in a single run (Trainer.fit)
+                trainer.elastic.recover(lost)
+            except Exception as exc:
+                self.ended = f"failed at step {trainer.global_step}: {exc}"
+                raise
+        result = {k: float(v) for k, v in metrics.items()
+                  if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        # A metric some steps lack (val_loss between validations) is carried from the last step
+        # that had it, so the scheduler compares every trial at every rung.
+        self.last = result.get(self.metric, self.last)
+        if self.last is not None:
+            result[self.metric] = self.last
+        result[STEPS_DONE] = trainer.global_step
+        tracker = getattr(trainer.tracking, "tracker", None)  # None: tracking.enabled is false
+        result[RUN_ID] = tracker.run_id if tracker is not None else ""
+        result["done"] = trainer.global_step >= trainer.config.train.steps
+        if result["done"]:  # as fit() ends: the last save committed, then the MLflow run
+            trainer.session.commit_in_flight()
+            trainer.end_tracking("FINISHED")
+        return result
+
+    def save_checkpoint(self, checkpoint_dir: str) -> None:
+        """A raymp checkpoint (sharded, verified, committed in the run's own checkpoint.dir) that
+        Tune's checkpoint names: a paused or restarted trial goes on from exactly that state."""
+        saved = self.trainer.save_checkpoint()
+        Path(checkpoint_dir, CHECKPOINT_FILE).write_text(json.dumps({"path": saved.path, "step": saved.step}))
+
+    def load_checkpoint(self, checkpoint_dir: str) -> None:
+        saved = json.loads(Path(checkpoint_dir, CHECKPOINT_FILE).read_text())
+        if self.trainer.global_step != saved["step"]:
+            self.trainer.load_checkpoint(saved["path"])
+
+    def cleanup(self) -> None:
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:  # its config was refused: Tune's error says why
+            return
+        if trainer.global_step < trainer.config.train.steps:
+            why = self.ended or f"stopped early by the sweep's scheduler after step {trainer.global_step}"
+            if (tracker := getattr(trainer.tracking, "tracker", None)) is not None:
+                tracker.set_tag("raymp.trial_stop", why)
+            # Its steps are final (a stopped trial is not resumed): published, not dropped.
+            trainer.end_tracking("FAILED" if self.ended else "KILLED", complete=True)
+        trainer.close()

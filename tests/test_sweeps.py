@@ -1,0 +1,194 @@
+"""Sweeps on Ray Tune (raymp.sweeps): the sweep file's checks before any trial starts, and sweeps
+of the tiny model on the session's Ray whose trials are checked in MLflow: parameters, statuses,
+the stop reason of the trials ASHA stopped, the best trial, and a trial killed mid-way that goes
+on from its checkpoint with the loss curve of one that was not."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from raymp.config import ConfigError, load_config
+from raymp.sweeps import SweepResult, SweepSpec, Trial, load_sweep, sweep
+from raymp.sweeps.run import concurrency, search_space
+from raymp.sweeps.spec import check_spec, spec_from_dict
+
+BASE = "configs/tiny.yaml"
+
+
+def _spec(**fields) -> SweepSpec:
+    return spec_from_dict({"space": {"optimizer.lr": {"grid": [1e-3, 3e-3]}}, **fields})
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"space": {"optimizer.nope": {"grid": [1]}}}, ["sweep space: optimizer.nope=1 is refused", "unknown key"]),
+    ({"space": {"parallel.zero": {"grid": [0, 5]}}}, ["parallel.zero=5 is refused", "0, 1, 2 or 3"]),
+    ({"space": {"optimizer.lr": {"loguniform": [1e-4, -1.0]}}}, ["low < high"]),
+    # each value alone is taken, one combination is not: 48 sequences over dp=4 x 8 per micro-batch
+    ({"space": {"parallel.dp": {"grid": [2, 4]}, "train.global_batch_size": {"grid": [32, 48]}}},
+     ["parallel.dp=4, train.global_batch_size=48 is refused", "must be divisible"]),
+    ({"metric": "accuracy"}, ["metric 'accuracy'", "loss"]),
+    ({"asha": {"grace_period": 500}}, ["grace_period (500)", "train.steps (60)"]),
+])
+def test_a_bad_search_is_one_line_before_any_trial(fields, words):
+    with pytest.raises(ConfigError) as err:
+        check_spec(spec_from_dict({"space": {"optimizer.lr": {"grid": [1e-3]}}, **fields}), load_config(BASE))
+    assert "\n" not in str(err.value)
+    for w in words:
+        assert w in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"space": {}}, ["space is empty"]),
+    ({"space": {"optimizer.lr": {"grid": [1], "choice": [2]}}}, ["exactly one of"]),
+    ({"space": {"optimizer.lr": {"loguniform": [0, 1]}}}, ["low must be > 0"]),
+    ({"space": {"optimizer.lr": {"uniform": [2, 1]}}}, ["low < high"]),
+    ({"spaec": {}}, ["spaec", "not a sweep field"]),
+])
+def test_a_malformed_sweep_names_the_field(fields, words):
+    with pytest.raises(ConfigError) as err:
+        spec_from_dict({"space": {"optimizer.lr": {"grid": [1e-3]}}, **fields} if "space" not in fields
+                       else fields)
+    for w in words:
+        assert w in str(err.value), str(err.value)
+
+
+def test_sweep_files(tmp_path):
+    (tmp_path / "s.yaml").write_text("base: ../nowhere.yaml\nspace: {optimizer.lr: {grid: [0.001]}}\n")
+    with pytest.raises(ConfigError, match="not found"):
+        load_sweep(tmp_path / "s.yaml")
+    (tmp_path / "bad.yaml").write_text("space: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_sweep(tmp_path / "bad.yaml")
+    (tmp_path / "nobase.yaml").write_text("space: {optimizer.lr: {grid: [0.001]}}\n")
+    with pytest.raises(ConfigError, match="base: give the run config"):
+        load_sweep(tmp_path / "nobase.yaml")
+    spec, cfg = load_sweep("configs/sweeps/tiny-lr.yaml", ["train.steps=30"])
+    assert cfg.name == "tiny" and cfg.train.steps == 30 and spec.trials() == 4
+
+
+def test_concurrency_is_what_the_cluster_holds():
+    cfg = load_config(BASE)  # dp=2: 2 actors + 1 CPU for data + the trial's sliver
+    assert concurrency(_spec(), cfg, None) == 1  # a local Ray the sweep starts: one at a time
+    assert concurrency(_spec(), cfg, 10) == 3
+    assert concurrency(_spec(max_concurrent=2), cfg, 10) == 2
+    with pytest.raises(ConfigError, match="max_concurrent=4 .* at most 3"):
+        concurrency(_spec(max_concurrent=4), cfg, 10)
+    with pytest.raises(ConfigError, match="one trial needs"):
+        concurrency(_spec(), cfg, 2)
+
+
+def test_search_space_in_tunes_terms():
+    space = search_space(spec_from_dict({"space": {
+        "optimizer.lr": {"loguniform": [1e-4, 1e-2]}, "parallel.zero": {"grid": [0, 2]},
+        "seed": {"randint": [1, 3]}, "optimizer.weight_decay": {"choice": [0.0, 0.1]}}}))
+    assert space["parallel.zero"] == {"grid_search": [0, 2]}
+    assert 1e-4 <= space["optimizer.lr"].sample() <= 1e-2
+    assert {space["seed"].sample() for _ in range(200)} == {1, 2, 3}  # both ends included
+    assert space["optimizer.weight_decay"].sample() in (0.0, 0.1)
+
+
+def test_best_trial_skips_trials_without_a_value():
+    trials = [Trial("a", {"x": 1}, 3.0, 5, "completed", "r1"), Trial("b", {"x": 2}, None, 0, "failed", "", "boom"),
+              Trial("c", {"x": 3}, math.nan, 2, "stopped early", "r3"), Trial("d", {"x": 4}, 2.5, 4, "stopped early", "r4")]
+    assert SweepResult("s", "loss", "min", trials, None).best.trial_id == "d"
+    result = SweepResult("s", "loss", "max", trials, None)
+    assert result.best.trial_id == "a" and "completed (best)" in result.table()
+
+
+def _sweep_base(tiny_cfg, **train) -> dict:
+    cfg = tiny_cfg(train={"steps": 12, "global_batch_size": 8, "seq_len": 32, "log_every": 1, **train})
+    cfg["optimizer"]["warmup_steps"] = 2
+    cfg["tracking"] = {"enabled": True}
+    return cfg
+
+
+def _children(uri: str, parent_run_id: str):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_run(parent_run_id).info.experiment_id],
+                              f"tags.mlflow.parentRunId = '{parent_run_id}'")
+    return client, {r.info.run_id: r for r in runs}
+
+
+def test_sweep_with_asha_nests_its_trials_in_mlflow(tiny_cfg):
+    base = _sweep_base(tiny_cfg)
+    result = sweep({"name": "lr-zero", "max_concurrent": 1, "metric": "loss", "mode": "min",
+                    "space": {"optimizer.lr": {"grid": [3e-3, 1e-5]}, "parallel.zero": {"grid": [0, 1]}},
+                    "asha": {"grace_period": 4, "reduction_factor": 2}}, base=base, log=lambda *_: None)
+    assert len(result.trials) == 4
+    stopped = [t for t in result.trials if t.status == "stopped early"]
+    assert stopped and all(t.params["optimizer.lr"] == 1e-5 and t.steps < 12 for t in stopped)
+    assert all(t.status == "completed" and t.steps == 12 for t in result.trials if t not in stopped)
+
+    client, children = _children(f"sqlite:///{base['output_dir']}/mlflow.db", result.parent_run_id)
+    assert set(children) == {t.run_id for t in result.trials}
+    last = {}
+    for t in result.trials:
+        run = children[t.run_id]
+        assert float(run.data.params["optimizer.lr"]) == t.params["optimizer.lr"]
+        assert int(run.data.params["parallel.zero"]) == t.params["parallel.zero"]
+        history = client.get_metric_history(t.run_id, "fit/loss")
+        assert [m.step for m in sorted(history, key=lambda m: m.step)] == list(range(t.steps))
+        last[t.run_id] = max(history, key=lambda m: m.step).value
+        assert last[t.run_id] == pytest.approx(t.value, rel=1e-6)
+        if t in stopped:
+            assert run.info.status == "KILLED" and "stopped early" in run.data.tags["raymp.trial_stop"]
+        else:  # ended as a run's fit() ends it
+            assert run.info.status == "FINISHED" and "raymp.trial_stop" not in run.data.tags
+            assert "speed/tok_s_med" in run.data.metrics
+            assert "loss_curve.png" in {a.path for a in client.list_artifacts(t.run_id)}
+    best_by_mlflow = min(last, key=last.get)
+    assert last[result.best.run_id] == last[best_by_mlflow]
+    parent = client.get_run(result.parent_run_id)
+    assert parent.info.status == "FINISHED" and parent.data.tags["raymp.best_run_id"] == result.best.run_id
+    assert parent.data.metrics["best/loss"] == pytest.approx(result.best.value)
+    artifacts = {a.path for a in client.list_artifacts(result.parent_run_id)}
+    assert {"trials.txt", "metric_by_field.png"} <= artifacts
+
+
+def test_a_killed_trial_goes_on_from_its_checkpoint(tiny_cfg, tmp_path):
+    """Two trials of one config; the first to reach step 6 has its process killed (its actors go
+    with it). Tune restarts it from the checkpoint of step 4 (checkpoint.every): its MLflow run
+    goes on, and its losses at every step equal the other trial's, which was never killed."""
+    from helpers.sweep_trials import DIE_AFTER_STEP, DiesOnceTrial
+
+    base = _sweep_base(tiny_cfg)
+    base["checkpoint"] = {"every": 4}
+    result = sweep({"name": "killed", "max_concurrent": 1, "samples": 2, "retries": 1, "asha": None,
+                    "space": {"optimizer.lr": {"grid": [3e-3]}}}, base=base, log=lambda *_: None,
+                   trial_cls=DiesOnceTrial)
+    assert [t.status for t in result.trials] == ["completed", "completed"]
+    died = Path(base["output_dir"], "trial-died").read_text()
+    assert DIE_AFTER_STEP < 12 and died in {t.trial_id for t in result.trials}
+    client, children = _children(f"sqlite:///{base['output_dir']}/mlflow.db", result.parent_run_id)
+    curves = {t.trial_id: sorted(client.get_metric_history(t.run_id, "fit/loss"), key=lambda m: m.step)
+              for t in result.trials}
+    for curve in curves.values():
+        assert [m.step for m in curve] == list(range(12))  # every step once: the redone ones replaced
+    killed, clean = curves[died], next(c for tid, c in curves.items() if tid != died)
+    for a, b in zip(killed, clean):
+        assert a.value == pytest.approx(b.value, rel=1e-5), (a.step, a.value, b.value)
+    killed_run = children[next(t.run_id for t in result.trials if t.trial_id == died)]
+    assert killed_run.info.status == "FINISHED" and killed_run.data.tags["raymp.events"] == "1"
+    event = json.loads(Path(client.download_artifacts(killed_run.info.run_id, "events/resume-1.json",
+                                                      str(tmp_path))).read_text())
+    assert event["step"] == 4  # from the checkpoint of step 4, not from the start
+
+
+def test_a_trial_that_cannot_run_ends_with_its_reason_and_the_sweep_goes_on(tiny_cfg, tmp_path):
+    """Data a trial cannot read is found when the trial starts (the config takes any source): that
+    trial fails with the data error's one line, the other trial runs to the end."""
+    base = _sweep_base(tiny_cfg, steps=2)
+    missing = str(tmp_path / "no-such-corpus.txt")
+    result = sweep({"name": "bad-data", "max_concurrent": 1, "asha": None,
+                    "space": {"data.source": {"grid": [missing, "kjv"]}}}, base=base, log=lambda *_: None)
+    by_source = {t.params["data.source"]: t for t in result.trials}
+    assert by_source["kjv"].status == "completed" and result.best is by_source["kjv"]
+    failed = by_source[missing]
+    assert failed.status == "failed" and missing in failed.error and "\n" not in failed.error, failed.error
+    assert "Traceback" not in failed.error and "File \"" not in failed.error
