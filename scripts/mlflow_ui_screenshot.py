@@ -3,6 +3,9 @@ chart view, plus the rendered page's DOM (so a test can check what the page show
 
     python scripts/mlflow_ui_screenshot.py --tracking-uri sqlite:///runs/mlflow.db --experiment raymp
     python scripts/mlflow_ui_screenshot.py --tracking-uri http://127.0.0.1:5000 --experiment raymp
+    # a sweep's trials (its child runs) compared, and the sweep's own run:
+    python scripts/mlflow_ui_screenshot.py --filter "tags.mlflow.parentRunId = '<id>'"
+    python scripts/mlflow_ui_screenshot.py --run <id>
 
 With a database URI, an `mlflow server --workers 1` is started on a free local port for the
 shot and stopped after. Needs Chromium (Debian: apt-get install -y chromium).
@@ -63,16 +66,37 @@ def rendered_charts(dom: str) -> list[str]:
     return re.findall(r'title="([A-Za-z0-9_/.]+)"', dom)
 
 
-def shoot(url: str, experiment: str, out: Path, wait_s: float = 180) -> tuple[Path, str]:
-    """(screenshot path, rendered DOM) of the experiment's runs in chart-compare mode, once the
-    charts are drawn: the page first shows loading spinners (the charts came ~25 s later here),
-    so it is loaded again with a doubled virtual-time budget until its DOM holds plotly charts,
-    for at most `wait_s` seconds."""
+def run_name(url: str, run_id: str) -> str:
+    with urllib.request.urlopen(f"{url}/api/2.0/mlflow/runs/get?run_id={run_id}", timeout=30) as r:
+        return json.loads(r.read())["run"]["info"]["run_name"]
+
+
+def shoot(url: str, experiment: str, out: Path, wait_s: float = 180, search: str | None = None,
+          run_id: str | None = None, compare: list[str] | None = None) -> tuple[Path, str]:
+    """(screenshot path, rendered DOM) of the experiment's runs in chart-compare mode (those
+    `search` matches: a filter in MLflow's search syntax), of one run's page (`run_id`) or of MLflow's
+    page comparing the runs `compare` names (params, metrics, plots), once it
+    is drawn: the page first shows loading spinners (the charts came ~25 s later here), so it is
+    loaded again with a doubled virtual-time budget until its DOM holds plotly charts (the run's
+    name, for a run's page), for at most `wait_s` seconds."""
     browser = find_browser()
     if browser is None:
         raise RuntimeError("no Chromium found; install it (Debian: apt-get install -y chromium)")
-    page = (f"{url}/#/experiments/{experiment_id(url, experiment)}/runs"
-            "?workflowType=machine_learning&compareRunsMode=CHART")
+    exp = experiment_id(url, experiment)
+    runs = f"{url}/#/experiments/{exp}/runs"
+    if compare:
+        names = [run_name(url, r) for r in compare]
+        query = urllib.parse.urlencode({"runs": json.dumps(compare), "experiments": json.dumps([exp])},
+                                       quote_via=urllib.parse.quote)
+        page = f"{url}/#/compare-runs?{query}"
+        drawn = lambda dom: all(n in dom for n in names) and "js-plotly-plot" in dom  # noqa: E731
+    elif run_id is not None:
+        page, name = f"{runs}/{run_id}", run_name(url, run_id)
+        drawn = lambda dom: name in dom and "Parameters" in dom  # noqa: E731
+    else:
+        query = {"workflowType": "machine_learning", "compareRunsMode": "CHART",
+                 **({"searchFilter": search} if search else {})}
+        page, drawn = f"{runs}?{urllib.parse.urlencode(query, quote_via=urllib.parse.quote)}", rendered_charts
     out.parent.mkdir(parents=True, exist_ok=True)
     deadline, budget_ms = time.time() + wait_s, 5000
     while True:
@@ -80,7 +104,7 @@ def shoot(url: str, experiment: str, out: Path, wait_s: float = 180) -> tuple[Pa
                   "--hide-scrollbars", "--window-size=1600,1000", f"--virtual-time-budget={budget_ms}"]
         dom = subprocess.run(common + ["--dump-dom", page], check=True, capture_output=True, text=True,
                              timeout=180).stdout
-        if rendered_charts(dom):
+        if drawn(dom):
             break
         if time.time() > deadline:
             raise RuntimeError(f"the MLflow UI drew no chart within {wait_s:g} s (shoot's wait_s)")
@@ -94,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tracking-uri", default="sqlite:///runs/mlflow.db")
     parser.add_argument("--experiment", default="raymp")
     parser.add_argument("--out", default="runs/mlflow-ui.png", help="screenshot path (the DOM goes beside it)")
+    parser.add_argument("--filter", help="compare only the runs this MLflow search matches (a sweep's trials: "
+                                         "\"tags.mlflow.parentRunId = '<id>'\")")
+    parser.add_argument("--run", help="shoot this run's page instead of the comparison")
+    parser.add_argument("--compare", nargs="+", help="shoot MLflow's compare page of these run ids")
     args = parser.parse_args(argv)
     server = None
     url = args.tracking_uri
@@ -107,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         url = f"http://127.0.0.1:{port}"
     try:
         _wait(url, 120, server)
-        out, dom = shoot(url, args.experiment, Path(args.out))
+        out, dom = shoot(url, args.experiment, Path(args.out), search=args.filter, run_id=args.run,
+                         compare=args.compare)
         dom_path = out.with_suffix(".html")
         dom_path.write_text(dom)
         print(f"screenshot: {out}\nrendered page: {dom_path}")

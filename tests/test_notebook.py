@@ -35,5 +35,8 @@ def test_example_notebook_executes(tmp_path):
                    for o in outputs)
     assert "step     8/8" in text and "dp=2 pp=2 tp=1 zero=2" in text  # live progress was shown
     tables = [o for o in outputs if "text/html" in o.get("data", {})]
-    assert tables and "node_ip" in tables[-1]["data"]["text/html"]
+    assert any("node_ip" in t["data"]["text/html"] for t in tables)
     assert (tmp_path / "mlflow.db").is_file()
+    # The sweep's trials, from MLflow: both completed, their learning rates and losses.
+    assert "params.optimizer.lr" in tables[-1]["data"]["text/html"] and "completed (best)" in text
+    assert tables[-1]["data"]["text/html"].count("FINISHED") == 2
