@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 def _sweep(args) -> int:
     from raymp.sweeps import sweep
 
-    result = sweep(args.sweep, args.overrides)
+    result = sweep(args.sweep, args.overrides, stop_signals=True)
     print(result.table())
     for trial in result.trials:
         if trial.error:

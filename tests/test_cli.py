@@ -126,3 +126,42 @@ def test_sigint_stops_a_run_started_with_sigint_ignored(tmp_path):
     stopped = next(i for i, line in enumerate(lines) if line.startswith("raymp: stopped (interrupt or SIGTERM)"))
     last_step = max(i for i, line in enumerate(lines) if line.startswith("step "))
     assert last_step < stopped and "step   500/500" not in lines[last_step], lines[-20:]
+
+
+def test_sigterm_stops_a_sweep_and_marks_its_runs_killed(tmp_path):
+    """`ray job stop` sends SIGTERM: the sweep ends with status 130, and the trial it interrupted
+    and the sweep's own MLflow run end KILLED (not RUNNING forever), the trial with why."""
+    import signal
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(f"name: long\nbase: {ROOT / 'configs/tiny.yaml'}\nasha: null\n"
+                     "set: [train.steps=500, checkpoint.every=0]\nspace: {parallel.zero: {grid: [0, 2]}}\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "raymp.cli", "sweep", str(sweep), "--set", f"output_dir={tmp_path}"],
+        cwd=ROOT, env={**os.environ, "RAY_ADDRESS": ""}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+
+    def trial_runs():
+        exp = client.get_experiment_by_name("raymp")
+        return [] if exp is None else client.search_runs([exp.experiment_id], "attributes.run_name LIKE 'long-%'")
+
+    try:
+        # The event: the first trial's MLflow run exists (its actors are up), within a bound.
+        deadline = time.monotonic() + 300
+        while not trial_runs():
+            assert proc.poll() is None and time.monotonic() < deadline, "no trial started"
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out
+    assert "raymp: stopped (interrupt or SIGTERM)" in out and "Traceback" not in out, out
+    runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("raymp").experiment_id])}
+    assert runs["long"].info.status == "KILLED"
+    trials = [r for name, r in runs.items() if name.startswith("long-")]
+    assert len(trials) == 1 and trials[0].info.status == "KILLED"
+    assert trials[0].data.tags["raymp.trial_stop"] == "the sweep was stopped (Ctrl-C or SIGTERM)"

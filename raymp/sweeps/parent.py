@@ -33,6 +33,17 @@ class ParentRun:
         failed = all(t.status == "failed" for t in result.trials)
         tracker.finish("FAILED" if failed else "FINISHED", complete=True)
 
+    def stopped(self) -> None:
+        """The sweep was stopped (Ctrl-C, SIGTERM): its trials still running and the sweep itself
+        end KILLED, with why, rather than stay RUNNING in MLflow."""
+        client = self.tracker.client
+        running = client.search_runs([self.tracker.experiment_id],
+                                     f"tags.mlflow.parentRunId = '{self.run_id}' and attributes.status = 'RUNNING'")
+        for run in running:
+            client.set_tag(run.info.run_id, "raymp.trial_stop", "the sweep was stopped (Ctrl-C or SIGTERM)")
+            client.set_terminated(run.info.run_id, "KILLED")
+        self.tracker.finish("KILLED", complete=True)
+
     def _figure(self, result):
         """The metric at each trial's last step against each searched field (log axis for a
         loguniform field); the best trial marked."""

@@ -23,6 +23,7 @@ from ray.tune.schedulers import ASHAScheduler
 
 from raymp.config import ConfigError, RunConfig
 from raymp.driver.launch import as_config
+from raymp.driver.stopping import stop_on_signals
 from raymp.logs import quiet_loggers
 from raymp.ray_connection import connect, starts_local
 from raymp.sweeps.parent import ParentRun
@@ -107,10 +108,12 @@ def search_space(spec: SweepSpec) -> dict[str, Any]:
 
 
 def sweep(sweep: str | Path | SweepSpec | dict, overrides: list[str] | None = None, *,
-          base: RunConfig | str | Path | dict | None = None, log=print, trial_cls: type | None = None) -> SweepResult:
+          base: RunConfig | str | Path | dict | None = None, log=print, trial_cls: type | None = None,
+          stop_signals: bool = False) -> SweepResult:
     """Run a sweep: every trial a raymp run nested under one MLflow parent run. `sweep` is a
     SWEEP.yaml, or (from a notebook) a SweepSpec or its dict with the run config as `base`.
-    `trial_cls` replaces the trial class (fault tests kill a trial this way)."""
+    `trial_cls` replaces the trial class (fault tests kill a trial this way). `stop_signals` (the
+    CLI): SIGTERM stops the sweep as Ctrl-C does, its MLflow runs marked KILLED."""
     if isinstance(sweep, (str, Path)):
         spec, cfg = load_sweep(sweep, overrides)
     else:
@@ -146,8 +149,15 @@ def sweep(sweep: str | Path | SweepSpec | dict, overrides: list[str] | None = No
         trainable, param_space=search_space(spec), run_config=run_config,
         tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, num_samples=spec.samples,
                                     scheduler=scheduler, max_concurrent_trials=held))
-    with _quiet_tune():
-        grid = tuner.fit()
+    if stop_signals:
+        stop_on_signals()  # after Ray connected (see there); Tune's own handler is off (_TUNE_QUIET)
+    try:
+        with _quiet_tune():
+            grid = tuner.fit()
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM: the trials' actors end with this driver
+        if parent is not None:
+            parent.stopped()
+        raise
     trials = []
     for res in grid:
         m = res.metrics or {}
@@ -200,7 +210,10 @@ def _quiet_tune():
                 os.environ[k] = v
 
 
-_TUNE_QUIET = {"RAY_AIR_NEW_OUTPUT": "0", "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS": "1"}
+# Tune's SIGINT handler is off too: it ended the sweep as if it had finished (the trials it
+# stopped looked stopped by ASHA, the exit status 0); a Ctrl-C now interrupts the sweep.
+_TUNE_QUIET = {"RAY_AIR_NEW_OUTPUT": "0", "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS": "1",
+               "TUNE_DISABLE_SIGINT_HANDLER": "1"}
 
 
 def _cluster_cpus(cfg: RunConfig) -> float:
