@@ -100,7 +100,7 @@ class CheckpointCoordinator:
             removed = self.store.discard(pending.step)
             self.log(f"checkpoint of step {pending.step} failed on {len(errors)} rank(s) (rank {rank}: "
                      f"{error.splitlines()[0][:300]}{free_space_note(pending.path)}); not committed"
-                     + (", its partial directory removed" if removed else "") + f"; {self._latest_text()}")
+                     + (", its partial directory removed" if removed else "") + f"; {self.latest_text()}")
             return None
         return self._commit(pending, pending.files)
 
@@ -142,7 +142,7 @@ class CheckpointCoordinator:
             self.pending = None
             self.failed.append((step, "timeout"))
             self.log(f"checkpoint of step {step} was still writing after {self.write_timeout_s:g}s "
-                     f"(checkpoint.write_timeout_s): not committed; {self._latest_text()}")
+                     f"(checkpoint.write_timeout_s): not committed; {self.latest_text()}")
             return None
         return self.collect(reports)
 
@@ -175,6 +175,8 @@ class CheckpointCoordinator:
             return pending.step, self._commit(pending, directory_files(self.store.path_for(pending.step)))
         return pending.step, None
 
-    def _latest_text(self) -> str:
+    def latest_text(self) -> str:
+        """What a message about a save that was not kept says is kept instead."""
         latest = self.store.latest()
-        return f"the latest committed checkpoint is step {latest.step}" if latest else "no checkpoint is committed yet"
+        return (f"the latest committed checkpoint is step {latest.step}: {latest.path}" if latest
+                else "no checkpoint is committed yet")

@@ -288,14 +288,10 @@ class Session:
         if self.checkpoints.pending is None:
             if (ordered := self.checkpoints.ordered) is not None:
                 self.say(f"stopped before step {ordered.steps_done} came back: its checkpoint, started by the "
-                         f"ranks with it, is not kept; {self._latest_committed()}")
+                         f"ranks with it, is not kept; {self.checkpoints.latest_text()}")
             return
         step = self.checkpoints.pending.step
         with stop_signals_held(self.say, f"committing the checkpoint of step {step}"):
             _, committed = self.checkpoints.stop(self.group)
         self.say(f"stopped: the checkpoint of step {step} " + ("was committed" if committed else
-                 "was still being written and is not kept") + f"; {self._latest_committed()}")
-
-    def _latest_committed(self) -> str:
-        latest = self.checkpoints.store.latest()
-        return "the latest committed checkpoint is " + (f"step {latest.step}: {latest.path}" if latest else "none")
+                 "was still being written and is not kept") + f"; {self.checkpoints.latest_text()}")
