@@ -11,6 +11,7 @@ layout rule of its own.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from typing import TypedDict
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
 V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, placed as a V
@@ -64,6 +65,19 @@ class ModelShape:
 def padded_vocab(vocab: int, tp: int) -> int:
     """The smallest multiple of 64·tp at or above `vocab`: a vocabulary every TP rank splits evenly."""
     return -(-vocab // (64 * tp)) * 64 * tp
+
+
+class LayoutRecord(TypedDict):
+    """A layout as JSON keeps it (checkpoint markers, restart events, MLflow): its degrees only,
+    which is what resharding a checkpoint or re-planning after a loss reads back."""
+
+    dp: int
+    dp_replicate: int
+    cp: int
+    pp: int
+    tp: int
+    zero: int
+    world_size: int
 
 
 @dataclass(frozen=True)
@@ -211,13 +225,15 @@ class Layout:
         hsdp = f"-hsdp{self.dp_replicate}" * (self.dp_replicate > 1)
         return f"dp{self.dp}{hsdp}{f'-cp{self.cp}' * (self.cp > 1)}-pp{self.pp}-tp{self.tp}-zero{self.zero}"
 
-    def record(self) -> dict:
+    def record(self) -> LayoutRecord:
         """What checkpoints, restart events and MLflow record: enough to reshard from."""
-        return {"dp": self.dp, "dp_replicate": self.dp_replicate, "cp": self.cp, "pp": self.pp, "tp": self.tp,
-                "zero": self.zero, "world_size": self.world_size}
+        return LayoutRecord(dp=self.dp, dp_replicate=self.dp_replicate, cp=self.cp, pp=self.pp, tp=self.tp,
+                            zero=self.zero, world_size=self.world_size)
 
     @classmethod
-    def from_record(cls, record: dict) -> "Layout":
+    def from_record(cls, record: LayoutRecord) -> "Layout":
+        """A record read back (a checkpoint's marker, a restart event); one written before cp and
+        dp_replicate existed has neither (1)."""
         return cls(record["dp"], record["pp"], record["tp"], record["zero"], cp=record.get("cp", 1),
                    dp_replicate=record.get("dp_replicate", 1))
 
