@@ -49,21 +49,26 @@ class ParentRun:
         loguniform field); the best trial marked."""
         from matplotlib.figure import Figure
 
+        from matplotlib.ticker import NullFormatter
+
         fields = list(self.spec.space)
         fig = Figure(figsize=(4 * len(fields), 3.5))
+        scored = [t for t in result.trials if t.value is not None and not math.isnan(t.value)]
         for i, f in enumerate(fields):
             ax = fig.add_subplot(1, len(fields), i + 1)
-            points = [(t.params.get(f), t.value) for t in result.trials
-                      if t.value is not None and not math.isnan(t.value)]
-            numeric = all(isinstance(x, (int, float)) for x, _ in points)
-            xs = [x if numeric else str(x) for x, _ in points]
-            ax.scatter(xs, [y for _, y in points])
+            numeric = all(isinstance(t.params.get(f), (int, float)) for t in scored)
+            x = (lambda t: t.params.get(f)) if numeric else (lambda t: str(t.params.get(f)))  # noqa: E731
+            # A trial stopped early is drawn hollow: its last step is earlier than the others'.
+            for status, style in (("completed", {}), ("stopped early", {"facecolors": "none", "edgecolors": "C0"})):
+                group = [t for t in scored if t.status == status]
+                if group:
+                    ax.scatter([x(t) for t in group], [t.value for t in group], label=status, **style)
             if result.best is not None:
-                bx = result.best.params.get(f)
-                ax.scatter([bx if numeric else str(bx)], [result.best.value], marker="*", s=200, label="best")
-                ax.legend(fontsize=8)
+                ax.scatter([x(result.best)], [result.best.value], marker="*", s=200, color="C1", label="best")
+            ax.legend(fontsize=8)
             if "loguniform" in self.spec.space[f]:
                 ax.set_xscale("log")
+                ax.xaxis.set_minor_formatter(NullFormatter())  # 2x10^-3, 3x10^-3, ... overlapped
             ax.set_xlabel(f)
             ax.set_ylabel(result.metric)
         fig.suptitle(f"{result.name}: {result.metric} at each trial's last step", fontsize=10)
