@@ -8,9 +8,9 @@ import sys
 
 # The errors that end a command with one line and exit status 2, by where they are defined.
 USER_ERRORS = (("raymp.config.schema", "ConfigError"), ("raymp.data", "DataError"),
-               ("raymp.runtime.actor_group", "PlacementError"), ("raymp.runtime.actor_group", "WorkerLostError"),
-               ("raymp.elastic", "ElasticError"), ("raymp.checkpoint.store", "CheckpointError"),
-               ("raymp.driver.health", "NonFiniteError"))
+               ("raymp.runtime.actor_group", "PlacementError"),
+               ("raymp.runtime.actor_group", "WorkerLostError"), ("raymp.elastic", "ElasticError"),
+               ("raymp.checkpoint.store", "CheckpointError"), ("raymp.driver.health", "NonFiniteError"))
 
 
 def user_errors() -> tuple[type, ...]:

@@ -15,7 +15,8 @@ from raymp.tracking import RunTracker
 class ParentRun:
     def __init__(self, spec: SweepSpec, base: RunConfig):
         self.spec = spec
-        self.tracker = RunTracker(base, spec.name, {"raymp.sweep": "parent", "raymp.layout": base.parallel.layout.tag()})
+        tags = {"raymp.sweep": "parent", "raymp.layout": base.parallel.layout.tag()}
+        self.tracker = RunTracker(base, spec.name, tags)
         self.run_id = self.tracker.run_id
         self.tracker.log_params({"sweep.metric": spec.metric, "sweep.mode": spec.mode,
                                  "sweep.samples": spec.samples, "sweep.trials": spec.trials(),
@@ -37,8 +38,8 @@ class ParentRun:
         """The sweep was stopped (Ctrl-C, SIGTERM): its trials still running and the sweep itself
         end KILLED, with why, rather than stay RUNNING in MLflow."""
         client = self.tracker.client
-        running = client.search_runs([self.tracker.experiment_id],
-                                     f"tags.mlflow.parentRunId = '{self.run_id}' and attributes.status = 'RUNNING'")
+        query = f"tags.mlflow.parentRunId = '{self.run_id}' and attributes.status = 'RUNNING'"
+        running = client.search_runs([self.tracker.experiment_id], query)
         for run in running:
             client.set_tag(run.info.run_id, "raymp.trial_stop", "the sweep was stopped (Ctrl-C or SIGTERM)")
             client.set_terminated(run.info.run_id, "KILLED")
@@ -59,7 +60,8 @@ class ParentRun:
             numeric = all(isinstance(t.params.get(f), (int, float)) for t in scored)
             x = (lambda t: t.params.get(f)) if numeric else (lambda t: str(t.params.get(f)))  # noqa: E731
             # A trial stopped early is drawn hollow: its last step is earlier than the others'.
-            for status, style in (("completed", {}), ("stopped early", {"facecolors": "none", "edgecolors": "C0"})):
+            hollow = {"facecolors": "none", "edgecolors": "C0"}
+            for status, style in (("completed", {}), ("stopped early", hollow)):
                 group = [t for t in scored if t.status == status]
                 if group:
                     ax.scatter([x(t) for t in group], [t.value for t in group], label=status, **style)

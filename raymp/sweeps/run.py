@@ -95,8 +95,9 @@ def concurrency(spec: SweepSpec, cfg: RunConfig, cluster_cpus: float | None) -> 
                           f"resources.cpus_per_actor + 1 for data) and the cluster has {cluster_cpus:g}; "
                           "lower the base config's layout or add nodes")
     if spec.max_concurrent is not None and spec.max_concurrent > fits:
-        raise ConfigError(f"sweep max_concurrent={spec.max_concurrent} trials need {spec.max_concurrent * per_trial:g} "
-                          f"CPUs ({per_trial:g} each); the cluster has {cluster_cpus:g}: set max_concurrent to at "
+        raise ConfigError(f"sweep max_concurrent={spec.max_concurrent} trials need "
+                          f"{spec.max_concurrent * per_trial:g} CPUs ({per_trial:g} each); the cluster has "
+                          f"{cluster_cpus:g}: set max_concurrent to at "
                           f"most {fits}")
     return spec.max_concurrent or fits
 

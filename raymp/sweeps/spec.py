@@ -37,9 +37,10 @@ class Ashas(_Strict):
 
 class SweepSpec(_Strict):
     name: str = Field("sweep", description="the MLflow parent run's name and the trials' name prefix")
-    base: str | None = Field(None, description="the run config every trial starts from (a path relative to the "
-                                                "sweep file; from Python, raymp.sweep(spec, base=...) instead)")
-    set: list[str] = Field(default_factory=list, description="overrides of the base, KEY=VALUE, for every trial")
+    base: str | None = Field(None, description="the run config every trial starts from (a path relative to "
+                             "the sweep file; from Python, raymp.sweep(spec, base=...) instead)")
+    set: list[str] = Field(default_factory=list, description="overrides of the base, KEY=VALUE, for every "
+                           "trial")
     space: dict[str, dict[str, list[Any]]] = Field(
         ..., description="field -> {grid|choice: [values]} or {uniform|loguniform|randint: [low, high]}")
     metric: str = Field("loss", description="the step metric the sweep ranks by (a key of a step's metrics)")
@@ -56,7 +57,8 @@ class SweepSpec(_Strict):
     @model_validator(mode="after")
     def _space(self) -> "SweepSpec":
         if not self.space:
-            raise ValueError("space is empty: name at least one field, e.g. optimizer.lr: {loguniform: [1e-4, 1e-2]}")
+            raise ValueError("space is empty: name at least one field, e.g. "
+                             "optimizer.lr: {loguniform: [1e-4, 1e-2]}")
         for field, how in self.space.items():
             if len(how) != 1 or next(iter(how)) not in KINDS:
                 raise ValueError(f"space.{field}: give exactly one of {', '.join(KINDS)} (got {sorted(how)})")
@@ -153,6 +155,7 @@ def check_spec(spec: SweepSpec, base: RunConfig) -> RunConfig:
                           "train.eval_every) in the base config")
     if spec.asha is not None and spec.asha.grace_period > base.train.steps:
         raise ConfigError(f"sweep asha.grace_period ({spec.asha.grace_period}) is more than train.steps "
-                          f"({base.train.steps}): no trial could be stopped early; lower it or set asha: null")
+                          f"({base.train.steps}): no trial could be stopped early; lower it or set "
+                          "asha: null")
     return base
 

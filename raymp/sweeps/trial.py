@@ -34,12 +34,16 @@ class RaympTrial(tune.Trainable):
         sets += [override("tracking.run_name", name)]
         if parent_run_id:
             sets.append(override("tracking.parent_run_id", parent_run_id))
-        for logger in ("ray.tune", "ray.train"):  # "checkpoint created" at every save: the sweep's table says it
+        # Tune says "checkpoint created" at every save; the sweep's table is what the user reads.
+        for logger in ("ray.tune", "ray.train"):
             logging.getLogger(logger).setLevel(logging.WARNING)
-        # A restarted trial is the same run: checkpoint.resume=auto finds its latest checkpoint
-        # and its MLflow run goes on (load_checkpoint then makes it the one Tune names).
         self.ended: str | None = None  # why the run ended, when it did not run all its steps
         self.setup_error: Exception | None = None
+        # A restarted trial is the same run: checkpoint.resume=auto finds its latest checkpoint
+        # and its MLflow run goes on (load_checkpoint then makes it the one Tune names). A trial's
+        # directory is new on its first start, where `never` and `auto` do the same.
+        if base["checkpoint"]["resume"] == "never":
+            sets.append(override("checkpoint.resume", "auto"))
         try:
             self.trainer = Trainer(base, sets, progress=False)
             self.trainer.setup()
