@@ -86,7 +86,7 @@ class _Rank:
         w.stream = FixedBatches(batches, 1, 0)
         now: dict = {}
         w.stream.next = _Timed(w.stream.next, now, "data")
-        w.program.forward_backward = _Timed(w.program.forward_backward, now, "forward + backward")
+        w.step_runner.forward_backward = _Timed(w.step_runner.forward_backward, now, "forward + backward")
         w.engine.clip_grad_norm = _Timed(w.engine.clip_grad_norm, now, "clip (grad norm)")
         began = {}
         # Hooks, not a wrapper: the scheduler checks that optimizer.step was not replaced.

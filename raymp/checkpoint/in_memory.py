@@ -40,11 +40,11 @@ class PeerCopyWriter:
         self._lock = threading.Lock()  # start() runs on the actor's main thread, finish() on "copies"
         self._writes: dict[int, tuple[str, Future]] = {}  # step -> (scratch directory, its write)
 
-    def start(self, program, engine, scheduler) -> int:
+    def start(self, step_runner, engine, scheduler) -> int:
         """Start a copy of the state now; returns the optimizer steps it holds."""
         self.wait_written()
         step = scheduler.last_epoch
-        sd = save_state(program, engine, scheduler, self.checkpointer.rank)
+        sd = save_state(step_runner, engine, scheduler, self.checkpointer.rank)
         scratch = tempfile.mkdtemp(prefix="raymp-peer-copy-")
         try:
             # Scratch read back soon: no fsync (it cost more than the write).
@@ -95,10 +95,10 @@ class PeerCopyWriter:
                             f"({COLLECTIVE_KNOB})")
 
 
-def load_from_bytes(checkpointer, parts, program, engine, scheduler) -> dict:
+def load_from_bytes(checkpointer, parts, step_runner, engine, scheduler) -> dict:
     """Fill this rank's freshly set-up state from every rank's parts (PeerCopyWriter.finish)."""
     with tempfile.TemporaryDirectory(prefix="raymp-peer-load-") as path:
         for part in parts:
             for name, data in part.items():
                 data.tofile(Path(path, name))
-        return checkpointer.load(path, program, engine, scheduler)
+        return checkpointer.load(path, step_runner, engine, scheduler)

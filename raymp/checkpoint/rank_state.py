@@ -97,9 +97,9 @@ def host_copy(sd: dict) -> dict:
     return {k: _to_host(v) if torch.is_tensor(v) else v for k, v in sd.items()}
 
 
-def save_state(program, engine, scheduler, rank: int) -> dict:
+def save_state(step_runner, engine, scheduler, rank: int) -> dict:
     """This rank's entries, copied to host memory (training may go on as soon as this returns)."""
-    tied = program.tied_embeddings
+    tied = step_runner.tied_embeddings
     sd = {}
     for key, tensors in model_tensors(engine.modules, tied).items():
         owned = [t for t, alias in tensors if not alias]
@@ -176,13 +176,13 @@ class RankCheckpointer:
         self.pending: tuple[int, Future] | None = None
         self.writer_factory = storage_writer  # path -> DCP StorageWriter (tests inject failures here)
 
-    def save(self, path: str, step: int, program, engine, scheduler, async_save: bool | str) -> dict:
+    def save(self, path: str, step: int, step_runner, engine, scheduler, async_save: bool | str) -> dict:
         """Start writing step's checkpoint. Waits first for the previous save (reported as
         wait_s: storage slower than the checkpoint interval shows up here)."""
         t0 = time.perf_counter()
         self.wait()
         waited = time.perf_counter() - t0
-        sd = save_state(program, engine, scheduler, self.rank)
+        sd = save_state(step_runner, engine, scheduler, self.rank)
         staged = time.perf_counter() - t0 - waited
         self.write(sd, path, step, async_save)
         return {"wait_s": waited, "stage_s": staged, "blocked_s": time.perf_counter() - t0}
@@ -249,13 +249,13 @@ class RankCheckpointer:
 
     # -- loading ------------------------------------------------------------------------------
 
-    def load(self, path: str, program, engine, scheduler) -> dict:
+    def load(self, path: str, step_runner, engine, scheduler) -> dict:
         """Fill this rank's parameters, optimizer state, schedule and RNG from the checkpoint at
         `path`, whatever layout wrote it."""
         t0 = time.perf_counter()
         reader = storage_reader(path)
         saved = reader.read_metadata().state_dict_metadata
-        tied = program.tied_embeddings
+        tied = step_runner.tied_embeddings
         model = model_tensors(engine.modules, tied)
         sd = {}
         for key, tensors in model.items():
@@ -322,14 +322,14 @@ class RankCheckpointer:
         return targets
 
 
-def host_state(program, engine, scheduler) -> dict:
+def host_state(step_runner, engine, scheduler) -> dict:
     """A host copy of everything this rank holds (a tied head's copy included), for
     load_host_state() on the same rank after it re-forms its process group."""
     for module in engine.modules:  # a step that failed mid-way may have left FSDP blocks gathered
         for block in module.modules():
             if isinstance(block, FSDPModule):
                 block.reshard()
-    tied = program.tied_embeddings
+    tied = step_runner.tied_embeddings
     sd = {f"model.{key}": tensors[0][0] for key, tensors in model_tensors(engine.modules, tied).items()}
     optim = engine.local_optimizer()
     for key, _, param in optimizer_params(engine, tied):
@@ -342,12 +342,12 @@ def host_state(program, engine, scheduler) -> dict:
     return sd
 
 
-def load_host_state(sd: dict, program, engine, scheduler) -> None:
+def load_host_state(sd: dict, step_runner, engine, scheduler) -> None:
     """Fill a freshly set-up rank from host_state(): how a survivor of a loss keeps what it held
     (no storage). Its new place in the mesh holds the same part of the model as the old one
     (same cp, pp and tp coordinates, and under HSDP the same shard of its group), so each local
     tensor is copied as it was."""
-    tied = program.tied_embeddings
+    tied = step_runner.tied_embeddings
     with torch.no_grad():
         for key, tensors in model_tensors(engine.modules, tied).items():
             for tensor, _ in tensors:

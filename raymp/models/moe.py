@@ -135,7 +135,7 @@ class MoEFeedForward(nn.Module):
         self.experts = RoutedExperts(args.n_experts, dim, args.expert_ffn_dim)
         self.shared = FeedForward(dim, args.n_shared_experts * args.expert_ffn_dim) if args.n_shared_experts else None
         # The balance loss's gradient is scaled like the language-model loss it sits beside: the
-        # step program sets it (1/micro-batches where each micro-batch's loss is divided so).
+        # step runner sets it (1/micro-batches where each micro-batch's loss is divided so).
         self.aux_grad_scale = 1.0
         self.routing = RoutingStats()
         # Off where forwards run that are not the step's micro-batches (a pipeline schedule's

@@ -1,6 +1,6 @@
 """A rank's checkpoint calls: saving and loading its part on storage, and its side of a peer copy
 (elastic.peer_copy_every). A base of raymp.runtime.worker.Worker, which owns the state they act on
-(checkpointer, peer_copy, program, engine, scheduler, cfg)."""
+(checkpointer, peer_copy, step_runner, engine, scheduler, cfg)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ class CheckpointCalls:
     def save_checkpoint(self, path: str, step: int, async_save: bool) -> dict:
         """Start writing this rank's part of step's checkpoint (see raymp.checkpoint)."""
         self.peer_copy.wait_written()
-        return self.checkpointer.save(path, step, self.program, self.engine, self.scheduler, async_save)
+        return self.checkpointer.save(path, step, self.step_runner, self.engine, self.scheduler,
+                                      async_save)
 
     def checkpoint_after_step(self, order: SaveOrder | None, applied: bool) -> tuple[dict | None, dict | None]:
         """At the end of a step's call: the outcome of a save finished since the last step, and
@@ -27,7 +28,7 @@ class CheckpointCalls:
             return self.checkpointer.poll(), None
         self.peer_copy.wait_written()
         finished = self.checkpointer.wait()  # none in flight: the driver orders a save only then
-        return finished, self.checkpointer.save(order.path, order.steps_done, self.program, self.engine,
+        return finished, self.checkpointer.save(order.path, order.steps_done, self.step_runner, self.engine,
                                                 self.scheduler, order.async_save)
 
     def wait_checkpoint(self, timeout_s: float | None = None) -> dict | None:
@@ -41,12 +42,12 @@ class CheckpointCalls:
     def load_checkpoint(self, path: str) -> dict:
         """Load a checkpoint written under any layout into this rank's freshly set-up state."""
         self.peer_copy.wait_written()
-        return self.checkpointer.load(path, self.program, self.engine, self.scheduler)
+        return self.checkpointer.load(path, self.step_runner, self.engine, self.scheduler)
 
     def start_peer_copy(self) -> int:
         """Stage this rank's part of a checkpoint for a peer copy and write it in the background
         (PeerCopyWriter); returns the optimizer steps it holds."""
-        return self.peer_copy.start(self.program, self.engine, self.scheduler)
+        return self.peer_copy.start(self.step_runner, self.engine, self.scheduler)
 
     @ray.method(num_returns=2, concurrency_group="copies")
     def finish_peer_copy(self, step: int) -> tuple[int, dict[str, np.ndarray]]:
@@ -57,4 +58,4 @@ class CheckpointCalls:
     def load_peer_copy(self, *parts: dict[str, np.ndarray]) -> dict:
         """Load every rank's finish_peer_copy() parts (written under any layout) into this rank."""
         self.peer_copy.wait_written()
-        return load_from_bytes(self.checkpointer, parts, self.program, self.engine, self.scheduler)
+        return load_from_bytes(self.checkpointer, parts, self.step_runner, self.engine, self.scheduler)

@@ -69,7 +69,7 @@ class MemorySampler:
         return measures_memory(step, self.last is None, self.steps, self.every)
 
     def record(self, step: int, step_out: dict, state_bytes: dict) -> None:
-        """A measured step's figures: the step program's (taken out of `step_out`) and the engine's."""
+        """A measured step's figures: the step runner's (taken out of `step_out`) and the engine's."""
         from_step = {key: step_out.pop(key) for key in self.KEYS_FROM_STEP if key in step_out}
         self.last = {**from_step, **state_bytes, "memory_step": step}
 

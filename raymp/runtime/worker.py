@@ -52,7 +52,7 @@ class Worker(CheckpointCalls):
         self.num_threads = num_threads
         self.rank = None
         self.engine = None
-        self.program = None
+        self.step_runner = None  # runs this rank's part of a step: LocalStep, or PipelineStep under pp
         self.stream = None
         self.checkpointer = None
         self.peer_copy = None  # a PeerCopyWriter beside the checkpointer, on its group
@@ -109,8 +109,8 @@ class Worker(CheckpointCalls):
         """A host copy of this rank's whole training state, kept across rejoin() and set-up
         (elastic.keep_survivors; made already if a step lost a peer). Returns the optimizer
         steps it holds, so the driver can check every survivor stopped at the same step."""
-        if self.program is not None:  # a rank whose step lost a peer made its copy as it left the group
-            self._kept = host_state(self.program, self.engine, self.scheduler)
+        if self.step_runner is not None:  # a rank whose step lost a peer made its copy as it left the group
+            self._kept = host_state(self.step_runner, self.engine, self.scheduler)
         return json.loads(self._kept["scheduler"])["last_epoch"]
 
     def rejoin(self, rank: int, world_size: int, addr: str, port: int, backend: str, timeout_s: float) -> None:
@@ -126,7 +126,8 @@ class Worker(CheckpointCalls):
     def restore_kept(self, peer_state: dict | None = None) -> None:
         """After set-up in the new layout: the state keep_state() copied, back in place; on a
         rank that joined, the copy of the live peer that holds the same part (kept_state)."""
-        load_host_state(self._kept if peer_state is None else peer_state, self.program, self.engine, self.scheduler)
+        load_host_state(self._kept if peer_state is None else peer_state, self.step_runner, self.engine,
+                        self.scheduler)
         self._kept = None
 
     def _mesh_objects(self) -> list:
@@ -162,16 +163,19 @@ class Worker(CheckpointCalls):
         rss_before = reset_peak_rss()
         with self.sockets.tracked():  # the mesh's groups, and a pipeline's tied-embedding groups
             mesh = self._mesh(dims)
-            self.program = (PipelineStep(cfg, spec, mesh, self.coords, self.device, dims, document_eot, kept)
-                            if dims.pp > 1 else LocalStep(cfg, spec, mesh, self.coords, self.device, document_eot, kept))
-        self.engine = self.program.engine
-        self.program.meter.on_activation = self.abandon.check
+            if dims.pp > 1:
+                self.step_runner = PipelineStep(cfg, spec, mesh, self.coords, self.device, dims, document_eot,
+                                                kept)
+            else:
+                self.step_runner = LocalStep(cfg, spec, mesh, self.coords, self.device, document_eot, kept)
+        self.engine = self.step_runner.engine
+        self.step_runner.meter.on_activation = self.abandon.check
         self.memory = MemorySampler(cfg.train.steps, cfg.train.memory_every)
         self.scheduler = build_scheduler(self.engine.optimizer, cfg.optimizer, cfg.train.steps)
         self.eval_tokens = []
-        return RankSetup(self.rank, self.coords, self.program.num_params,
+        return RankSetup(self.rank, self.coords, self.step_runner.num_params,
                          None if rss_before is None else peak_rss() - rss_before,
-                         self.program.stage_layers if dims.pp > 1 else {})
+                         self.step_runner.stage_layers if dims.pp > 1 else {})
 
     # -- data -------------------------------------------------------------------------------
 
@@ -215,7 +219,7 @@ class Worker(CheckpointCalls):
         """A peer is gone: keep a host copy of the state (the failed step never reached the
         optimizer), then drop everything that holds the process groups and shut them down, so
         no call here and no peer waiting on this rank blocks on them (raymp.runtime.peer_loss)."""
-        self._kept = host_state(self.program, self.engine, self.scheduler)
+        self._kept = host_state(self.step_runner, self.engine, self.scheduler)
         if self.peer_copy is not None:
             self.peer_copy.discard()
         self.checkpointer = self.peer_copy = None
@@ -228,16 +232,16 @@ class Worker(CheckpointCalls):
         forget_tied_groups()
 
     def _drop_model(self) -> None:
-        """Let the model, optimizer and step program go, their memory and any process group
+        """Let the model, optimizer and step runner go, their memory and any process group
         they hold with it. A full collection only when reference cycles keep some of it alive
         (FSDP2's do; DDP and unwrapped modules go with their last reference): the collection
         scans everything made since the actor started, 26-52 ms on a survivor's path."""
-        if self.program is None and self.engine is None:
+        if self.step_runner is None and self.engine is None:
             return
-        parts = [self.program, self.engine, getattr(self.engine, "optimizer", None),
+        parts = [self.step_runner, self.engine, getattr(self.engine, "optimizer", None),
                  next((p for m in getattr(self.engine, "modules", ()) for p in m.parameters()), None)]
         watch = [weakref.ref(part) for part in parts if part is not None]
-        self.program = self.engine = self.scheduler = parts = None
+        self.step_runner = self.engine = self.scheduler = parts = None
         if any(ref() is not None for ref in watch):
             gc.collect()
 
@@ -248,18 +252,17 @@ class Worker(CheckpointCalls):
         if self.stream is not None:
             sample_ids, tokens, data_wait = self.stream.next(step)
         measure = self.memory.measures(step)
-        self.program.measure_memory(measure)
-        out = self.program.forward_backward(tokens)
+        self.step_runner.measure_memory(measure)
+        out = self.step_runner.forward_backward(tokens)
         p = self.cfg.parallel
-        grad_norm = self.engine.clip_grad_norm(
-            self.cfg.optimizer.grad_clip, p.layout.data_parallel_size * p.tp, self.program.counted_elsewhere
-        )
+        grad_norm = self.engine.clip_grad_norm(self.cfg.optimizer.grad_clip, p.layout.data_parallel_size * p.tp,
+                                               self.step_runner.counted_elsewhere)
         if math.isfinite(grad_norm):  # the same global norm on every rank: all apply, or none
             self.engine.optimizer.step()
-            routing = finish_expert_step(self.program.moe_blocks, self.program.mesh["data"])
+            routing = finish_expert_step(self.step_runner.moe_blocks, self.step_runner.mesh["data"])
         else:  # never applied (train.on_nonfinite): the state stays the last good one
             routing = {}
-            reset_routing(self.program.moe_blocks)
+            reset_routing(self.step_runner.moe_blocks)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         if measure:  # between optimizer.step() and zero_grad(): every kind of state exists
@@ -274,14 +277,14 @@ class Worker(CheckpointCalls):
 
     def evaluate(self) -> float | None:
         """Mean validation loss over the held-out batches (last stages return it)."""
-        losses = [self.program.evaluate(batch) for batch in self.eval_tokens]
+        losses = [self.step_runner.evaluate(batch) for batch in self.eval_tokens]
         return None if not losses or losses[0] is None else sum(losses) / len(losses)
 
     def gradients(self, tokens: np.ndarray | None) -> dict | None:
         """Forward and backward only: the full gradient of each parameter of this rank's stages, by
         name (all ranks call; dp/tp rank 0 of each stage returns), to pin a wrong gradient down."""
-        self.program.forward_backward(tokens)
-        reset_routing(self.program.moe_blocks)  # no optimizer step follows: nothing to count
+        self.step_runner.forward_backward(tokens)
+        reset_routing(self.step_runner.moe_blocks)  # no optimizer step follows: nothing to count
         grads = full_gradients(self.engine)
         return grads if self._holds_stage_copy() else None
 
@@ -298,6 +301,6 @@ class Worker(CheckpointCalls):
         return self.coords["dp"] == 0 and self.coords["cp"] == 0 and self.coords["tp"] == 0
 
     def shutdown(self) -> None:
-        self.engine = self.program = None
+        self.engine = self.step_runner = None
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -126,7 +126,7 @@ class EndlessStepWorker(Worker):
         if (step, self.rank) == getattr(self, "_endless", None):
             self._endless = None  # the retry runs normally
             while True:
-                self.program.meter.on_activation()
+                self.step_runner.meter.on_activation()
                 time.sleep(0.01)
         return super()._train_step(step, save)
 
@@ -171,8 +171,8 @@ class NonFiniteGradientWorker(Worker):
             return super()._train_step(step, save)
         if self._poison_once:
             self._poisoned_steps.discard(step)
-        program = self.program
-        forward_backward = program.forward_backward
+        step_runner = self.step_runner
+        forward_backward = step_runner.forward_backward
 
         def poisoned(tokens):
             out = forward_backward(tokens)
@@ -180,8 +180,8 @@ class NonFiniteGradientWorker(Worker):
             grad.mul_(float("nan"))
             return out
 
-        program.forward_backward = poisoned
+        step_runner.forward_backward = poisoned
         try:
             return super()._train_step(step, save)
         finally:
-            del program.forward_backward
+            del step_runner.forward_backward
