@@ -47,6 +47,8 @@ def test_a_bad_search_is_one_line_before_any_trial(fields, words):
     ({"space": {"optimizer.lr": {"loguniform": [0, 1]}}}, ["low must be > 0"]),
     ({"space": {"optimizer.lr": {"uniform": [2, 1]}}}, ["low < high"]),
     ({"spaec": {}}, ["spaec", "not a sweep field"]),
+    ({"search": "optuna", "space": {"parallel.zero": {"grid": [0, 2]}}}, ["space.parallel.zero.grid", "use choice"]),
+    ({"search": "hyperopt"}, ["search", "'random' or 'optuna'"]),
 ])
 def test_a_malformed_sweep_names_the_field(fields, words):
     with pytest.raises(ConfigError) as err:
@@ -192,3 +194,15 @@ def test_a_trial_that_cannot_run_ends_with_its_reason_and_the_sweep_goes_on(tiny
     failed = by_source[missing]
     assert failed.status == "failed" and missing in failed.error and "\n" not in failed.error, failed.error
     assert "Traceback" not in failed.error and "File \"" not in failed.error
+
+
+def test_optuna_proposes_each_trial_from_the_results_so_far(tiny_cfg):
+    """`search: optuna`: Tune's OptunaSearch (TPE, seeded by the base config's seed) draws each
+    trial's learning rate inside the range, one trial after another."""
+    base = _sweep_base(tiny_cfg, steps=3)
+    result = sweep({"name": "tpe", "search": "optuna", "samples": 3, "max_concurrent": 1, "asha": None,
+                    "space": {"optimizer.lr": {"loguniform": [1e-4, 1e-2]}}}, base=base, log=lambda *_: None)
+    lrs = [t.params["optimizer.lr"] for t in result.trials]
+    assert len(set(lrs)) == 3 and all(1e-4 <= lr <= 1e-2 for lr in lrs), lrs
+    assert all(t.status == "completed" and t.steps == 3 for t in result.trials)
+    assert result.best is min(result.trials, key=lambda t: t.value)

@@ -8,6 +8,7 @@ how many trials run at once to what the cluster holds."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import os
@@ -20,6 +21,7 @@ import ray
 from ray import tune
 from ray.tune import PlacementGroupFactory
 from ray.tune.schedulers import ASHAScheduler
+from ray.tune.search.optuna import OptunaSearch  # imports optuna only when it is installed
 
 from raymp.config import ConfigError, RunConfig
 from raymp.driver.launch import as_config
@@ -149,7 +151,8 @@ def sweep(sweep: str | Path | SweepSpec | dict, overrides: list[str] | None = No
     tuner = tune.Tuner(
         trainable, param_space=search_space(spec), run_config=run_config,
         tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, num_samples=spec.samples,
-                                    scheduler=scheduler, max_concurrent_trials=held))
+                                    search_alg=_searcher(spec, cfg), scheduler=scheduler,
+                                    max_concurrent_trials=held))
     if stop_signals:
         stop_on_signals()  # after Ray connected (see there); Tune's own handler is off (_TUNE_QUIET)
     try:
@@ -185,6 +188,16 @@ class _Started(tune.Callback):
         self.trials[Path(trial.path).name] = (trial.trial_id, dict(trial.config))
 
     on_trial_error = on_trial_start  # a trial that failed in its set-up never started
+
+
+def _searcher(spec: SweepSpec, cfg: RunConfig):
+    """None (Tune's variant generator: grid and random draws), or Optuna's TPE sampler."""
+    if spec.search == "random":
+        return None
+    if importlib.util.find_spec("optuna") is None:
+        raise ConfigError("sweep search: optuna needs the optuna package (pip install optuna), or use "
+                          "search: random")
+    return OptunaSearch(metric=spec.metric, mode=spec.mode, seed=cfg.seed)
 
 
 def _reason(error: BaseException | None) -> str:

@@ -45,6 +45,10 @@ class SweepSpec(_Strict):
         ..., description="field -> {grid|choice: [values]} or {uniform|loguniform|randint: [low, high]}")
     metric: str = Field("loss", description="the step metric the sweep ranks by (a key of a step's metrics)")
     mode: Literal["min", "max"] = "min"
+    search: Literal["random", "optuna"] = Field(
+        "random", description="random: Tune's variant generator (every grid point, random draws of the rest); "
+        "optuna: Optuna's TPE sampler proposes each trial from the results so far (seeded by the base "
+        "config's seed; no grid fields)")
     samples: int = Field(1, ge=1, description="Tune's num_samples: the grid is run this many times, each "
                                               "with fresh draws of the sampled fields")
     max_concurrent: int | None = Field(None, ge=1, description="trials at once; None: as many as the cluster "
@@ -69,6 +73,9 @@ class SweepSpec(_Strict):
                 raise ValueError(f"space.{field}.{kind}: give [low, high] with low < high (got {values})")
             if kind == "loguniform" and values[0] <= 0:
                 raise ValueError(f"space.{field}.loguniform: low must be > 0 (got {values[0]})")
+            if kind == "grid" and self.search == "optuna":
+                raise ValueError(f"space.{field}.grid: search: optuna draws every value, it runs no grid; "
+                                 "use choice, or search: random")
         return self
 
     def candidates(self, field: str) -> list[Any]:
