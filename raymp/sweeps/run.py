@@ -142,11 +142,14 @@ def sweep(sweep: str | Path | SweepSpec | dict, overrides: list[str] | None = No
         reduction_factor=spec.asha.reduction_factor)
     storage = (Path(cfg.output_dir) / "sweeps").resolve()
     # Tune saves a trial where raymp does (checkpoint.every), so a restarted trial goes on from
-    # the raymp checkpoint Tune names; a trial is restarted `retries` times.
+    # the raymp checkpoint Tune names; a trial is restarted `retries` times. No save of Tune's at
+    # a trial's end: it wrote a checkpoint of every trial, the stopped ones too, even where the
+    # run config asks for none.
     started = _Started()
     run_config = tune.RunConfig(
         name=spec.name, storage_path=str(storage), verbose=0, callbacks=[started],
-        checkpoint_config=tune.CheckpointConfig(checkpoint_frequency=cfg.checkpoint.every),
+        checkpoint_config=tune.CheckpointConfig(checkpoint_frequency=cfg.checkpoint.every,
+                                                checkpoint_at_end=False),
         failure_config=tune.FailureConfig(max_failures=spec.retries))
     tuner = tune.Tuner(
         trainable, param_space=search_space(spec), run_config=run_config,
