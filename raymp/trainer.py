@@ -238,8 +238,7 @@ class Trainer:
         self.setup()
         self.session.commit_in_flight()
         latest = self.checkpoints.store.latest()
-        ours = latest is not None and (latest.meta.get("lineage") or {}).get("id") == self.lineage.id
-        if ours and latest.step == self.global_step:  # another lineage's step N is another state
+        if latest is not None and latest.step == self.global_step and self.lineage.owns(latest):
             return latest
         return self.session.save_now(self.global_step)
 

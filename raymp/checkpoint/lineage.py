@@ -107,7 +107,7 @@ class Lineage:
         """After a rewind: the newer checkpoints of the abandoned timeline still in the dir."""
         if self.rewound_from is None:
             return []
-        return [c for c in self.store.committed() if c.step > self.rewound_from and not self._ours(c)]
+        return [c for c in self.store.committed() if c.step > self.rewound_from and not self.owns(c)]
 
     def before_save(self) -> list[str]:
         """Called before this lineage's first save: a rewind's abandoned timeline moves aside."""
@@ -117,13 +117,15 @@ class Lineage:
         self.rewound_from = None
         return self.set_aside
 
-    def _ours(self, c: Checkpoint) -> bool:
+    def owns(self, c: Checkpoint) -> bool:
+        """Whether `c` was written by this lineage (a checkpoint of the same step from another is
+        another state)."""
         return (c.meta.get("lineage") or {}).get("id") == self.id
 
     def candidates(self) -> list[Checkpoint]:
         """The lineage's states, newest first: this dir's commits, then the warm start's source."""
         states = [c for c in reversed(self.store.committed())
-                  if self.rewound_from is None or c.step <= self.rewound_from or self._ours(c)]
+                  if self.rewound_from is None or c.step <= self.rewound_from or self.owns(c)]
         if self.root is not None and not any(_same(c.path, self.root) for c in states):
             try:
                 states.append(read_marker(self.root))

@@ -49,7 +49,6 @@ class ParentRun:
         """The metric at each trial's last step against each searched field (log axis for a
         loguniform field); the best trial marked."""
         from matplotlib.figure import Figure
-
         from matplotlib.ticker import NullFormatter
 
         fields = list(self.spec.space)

@@ -47,6 +47,8 @@ class RaympTrial(tune.Trainable):
         try:
             self.trainer = Trainer(base, sets, progress=False)
             self.trainer.setup()
+            # The trial's MLflow run, None where tracking.enabled is false.
+            self.tracker = getattr(self.trainer.tracking, "tracker", None)
         except user_errors() as exc:
             # Raised from the first step instead: an error in an actor's creation is printed by
             # Ray with its traceback, one in a call only reaches Tune (the sweep prints its line).
@@ -73,8 +75,7 @@ class RaympTrial(tune.Trainable):
         if self.last is not None:
             result[self.metric] = self.last
         result[STEPS_DONE] = trainer.global_step
-        tracker = getattr(trainer.tracking, "tracker", None)  # None: tracking.enabled is false
-        result[RUN_ID] = tracker.run_id if tracker is not None else ""
+        result[RUN_ID] = self.tracker.run_id if self.tracker is not None else ""
         result["done"] = trainer.global_step >= trainer.config.train.steps
         if result["done"]:  # as fit() ends: the last save committed, then the MLflow run
             trainer.session.commit_in_flight()
@@ -98,8 +99,8 @@ class RaympTrial(tune.Trainable):
             return
         if trainer.global_step < trainer.config.train.steps:
             why = self.ended or f"stopped early by the sweep's scheduler after step {trainer.global_step}"
-            if (tracker := getattr(trainer.tracking, "tracker", None)) is not None:
-                tracker.set_tag("raymp.trial_stop", why)
+            if getattr(self, "tracker", None) is not None:  # none when its set-up failed
+                self.tracker.set_tag("raymp.trial_stop", why)
             # Its steps are final (a stopped trial is not resumed): published, not dropped.
             trainer.end_tracking("FAILED" if self.ended else "KILLED", complete=True)
         trainer.close()
