@@ -31,8 +31,9 @@ from raymp.driver.run_setup import check_destinations, open_lineage, removed_if_
 from raymp.driver.session import Session
 from raymp.driver.summary import describe, memory_rows, summary
 from raymp.driver.tracking_hooks import NoTracking, RunTracking
-from raymp.elastic.controller import ElasticController, FailurePolicy, ScalingPolicy
+from raymp.elastic.controller import ElasticController
 from raymp.elastic.peer_copies import PeerCopies
+from raymp.elastic.policy import RecoveryPolicy, ScalingPolicy
 from raymp.progress import StepProgress
 from raymp.runtime.actor_group import ActorGroup, WorkerLostError
 from raymp.config.rules import compiles
@@ -108,7 +109,7 @@ class Trainer:
             launcher.on_event = lambda name, info: self.on_event(name, info) if self.on_event else None
             self.session = Session(cfg, launcher, say, self.run_name, self.tracking, self._restarted)
             self.elastic = ElasticController(
-                self.session, FailurePolicy(cfg.elastic, self._shared_group is not None),
+                self.session, RecoveryPolicy(cfg.elastic, self._shared_group is not None),
                 ScalingPolicy(lay, self.device, self.feed.node, cfg.elastic.grow_back), say)
             self.resumed_from = resume = self.session.launch(self._resume_position)
         if resume is not None:

@@ -9,7 +9,10 @@ import pytest
 from raymp.checkpoint.store import Checkpoint, CheckpointError
 from raymp.config import config_from_dict
 from raymp.elastic.capacity import ElasticError, with_dp
-from raymp.elastic.controller import ElasticController, FailurePolicy, Phase
+from raymp.elastic import states
+from raymp.elastic.controller import ElasticController
+from raymp.elastic.policy import Action, RecoveryPolicy
+from raymp.elastic.states import Failed, Recovering, Restoring, Running
 from raymp.runtime.actor_group import WorkerLostError
 
 
@@ -89,7 +92,7 @@ class ScriptedScaling:
 
 def _controller(run, scaling=None, shared=False):
     said = []
-    controller = ElasticController(run, FailurePolicy(run.config.elastic, shared), scaling or ScriptedScaling(),
+    controller = ElasticController(run, RecoveryPolicy(run.config.elastic, shared), scaling or ScriptedScaling(),
                                    said.append)
     return controller, said
 
@@ -106,7 +109,8 @@ def test_a_failure_restarts_from_the_lineage():
     run = ScriptedRun(_config())
     controller, said = _controller(run)
     event = controller.recover(_lost())
-    assert _phases(controller) == ["running", "recovering", "running"] and controller.phase is Phase.RUNNING
+    assert _phases(controller) == ["running", "recovering", "restoring", "running"]
+    assert isinstance(controller.state, Running) and controller.state.after is event
     assert event["recovery"] == "restart" and event["reason"] == "failure" and event["resumed_step"] == 4
     assert event["attempts"] == 1 and event["failed_step"] == 5 and run.events == [event]
     assert run.calls == ["abandon_save", "teardown", "relaunch(1)"]
@@ -117,6 +121,7 @@ def test_survivors_go_on_with_their_state():
     run = ScriptedRun(_config(keep_survivors=True))
     controller, _ = _controller(run)
     event = controller.recover(_lost(rank=1))
+    assert _phases(controller) == ["running", "recovering", "keeping survivors", "running"]
     assert event["recovery"] == "survivors" and event["resumed_step"] == 5 and event["checkpoint"] is None
     assert run.calls == ["abandon_save", "keep_survivors(1)", "continue_on_ranks([0], kept=True)"]
     assert run.config.parallel.dp == 1
@@ -129,6 +134,7 @@ def test_survivors_ahead_of_the_run_are_refused_and_the_run_restarts():
     event = controller.recover(_lost(rank=1))
     assert event["recovery"] == "restart" and "the run is at step 5" in event["survivors_refused"]
     assert run.calls[-2:] == ["teardown", "relaunch(1)"]
+    assert _phases(controller) == ["running", "recovering", "keeping survivors", "restoring", "running"]
 
 
 def test_a_hung_step_never_asks_the_survivors():
@@ -142,8 +148,8 @@ def test_a_fault_while_relaunching_is_a_new_failure_and_is_retried():
     run = ScriptedRun(_config(), relaunch_faults=[WorkerLostError("a node went while starting", 0, "died")])
     controller, _ = _controller(run)
     event = controller.recover(_lost())
-    assert event["attempts"] == 2 and len(controller.failures) == 2
-    assert _phases(controller) == ["running", "recovering", "running"]
+    assert event["attempts"] == 2 and len(controller.failures) == 2 and event["failed_step"] == 5
+    assert _phases(controller) == ["running", "recovering", "restoring", "recovering", "restoring", "running"]
     assert run.calls.count("teardown") == 2
 
 
@@ -153,7 +159,8 @@ def test_too_many_failures_give_up_and_fail():
     controller, _ = _controller(run)
     with pytest.raises(ElasticError, match=r"giving up after 3 failures \(elastic.max_restarts=2\)"):
         controller.recover(_lost())
-    assert _phases(controller) == ["running", "recovering", "failed"] and controller.phase is Phase.FAILED
+    assert _phases(controller) == ["running"] + ["recovering", "restoring"] * 2 + ["recovering", "failed"]
+    assert isinstance(controller.state, Failed) and run.calls[-2:] == ["abandon_save", "teardown"]
 
 
 def test_no_intact_state_fails_at_once():
@@ -161,7 +168,7 @@ def test_no_intact_state_fails_at_once():
     controller, _ = _controller(run)
     with pytest.raises(CheckpointError):
         controller.recover(_lost())
-    assert controller.phase is Phase.FAILED and len(controller.failures) == 1
+    assert _phases(controller) == ["running", "recovering", "restoring", "failed"] and len(controller.failures) == 1
 
 
 def test_a_refused_failure_changes_no_state():
@@ -185,7 +192,7 @@ def test_growing_back_resizes_and_a_fault_while_growing_is_a_failure():
     controller, _ = _controller(failing, ScriptedScaling(grow_to=2, dp_after_failure=1))
     event = controller.grow()
     assert event["reason"] == "failure" and len(controller.failures) == 1
-    assert _phases(controller) == ["running", "resizing", "running", "recovering", "running"]
+    assert _phases(controller) == ["running", "resizing", "recovering", "restoring", "running"]
 
 
 def test_replicas_join_live_between_steps():
@@ -196,7 +203,7 @@ def test_replicas_join_live_between_steps():
     assert controller.join_if_room(now=True) is False
     (event,) = run.events
     assert event["recovery"] == "live join" and event["checkpoint"] is None and run.calls == ["join_live(2)"]
-    assert _phases(controller) == ["running", "resizing", "running"]
+    assert _phases(controller) == ["running", "joining", "running"]
 
 
 def test_a_rewind_commits_the_save_in_flight_and_relaunches_at_the_same_layout():
@@ -205,7 +212,7 @@ def test_a_rewind_commits_the_save_in_flight_and_relaunches_at_the_same_layout()
     event = controller.rewind(5, "step 5: non-finite gradient norm nan")
     assert event["reason"] == "nonfinite" and event["failed_step"] == 5 and event["resumed_step"] == 4
     assert run.calls == ["commit_in_flight", "teardown", "relaunch(2)"]
-    assert _phases(controller) == ["running", "recovering", "running"]
+    assert _phases(controller) == ["running", "restoring", "running"]
 
 
 def test_a_resize_keeps_survivors_on_exactly_where_the_config_rule_allows_it():
@@ -222,3 +229,51 @@ def test_a_resize_keeps_survivors_on_exactly_where_the_config_rule_allows_it():
     assert one.parallel.dp == 2 and not one.elastic.keep_survivors
     assert with_replicas(one, 2).elastic.keep_survivors  # back on when a second copy joins
     assert with_replicas(hsdp(peer_copy_every=2), 1).elastic.keep_survivors
+
+
+@pytest.mark.parametrize("kind, during, keep, alive, failures, action", [
+    ("died", None, True, True, 1, Action.KEEP_SURVIVORS),
+    ("died", "joining", True, True, 1, Action.KEEP_SURVIVORS),  # a failed join: the live ranks still hold it
+    ("died", None, False, True, 1, Action.RESTORE),  # elastic.keep_survivors off
+    ("timeout", None, True, True, 1, Action.RESTORE),  # a hung rank may not answer the survivors
+    ("died", None, True, False, 1, Action.RESTORE),  # the group is gone
+    ("died", "keeping survivors", True, True, 2, Action.RESTORE),  # the survivors failed themselves
+    ("died", "restoring", True, False, 2, Action.RESTORE),
+    ("died", None, True, True, 3, Action.GIVE_UP),  # past elastic.max_restarts=2
+])
+def test_the_policy_decides_from_the_failure_and_the_run_s_history(kind, during, keep, alive, failures, action):
+    cfg = _config(keep_survivors=keep)
+    policy = RecoveryPolicy(cfg.elastic, group_is_shared=False)
+    state = Recovering(_lost(kind=kind), during=during)
+    assert policy.decide(state, [{}] * failures, cfg, alive) is action
+
+
+def test_survivors_without_their_state_reload_it_from_peer_copies():
+    run = ScriptedRun(_config(keep_survivors=True, peer_copy_every=2), held=6)
+    controller, said = _controller(run)
+    event = controller.recover(_lost(rank=1))
+    assert _phases(controller) == ["running", "recovering", "keeping survivors", "reloading survivors", "running"]
+    assert event["recovery"] == "survivors reloaded" and run.calls[-1] == "continue_on_ranks([0], kept=False)"
+    assert any("they reload it" in line for line in said)
+
+
+def test_listeners_see_every_state_and_the_scripted_paths_cover_them_all():
+    """Every state the controller has is entered by one of the scripted paths above."""
+    seen: list[str] = []
+    paths = [(_config(keep_survivors=True, peer_copy_every=2), 6), (_config(keep_survivors=True), 6)]
+    for cfg, held in paths:
+        controller, _ = _controller(ScriptedRun(cfg, held=held))
+        controller.subscribe(lambda state: seen.append(state.name))
+        controller.recover(_lost())
+    run = ScriptedRun(_config())
+    run.config = with_dp(run.config, 1)
+    controller, _ = _controller(run, ScriptedScaling(grow_to=2, join=2))
+    controller.subscribe(lambda state: seen.append(state.name))
+    controller.join_if_room(now=True)
+    controller.grow()
+    controller, _ = _controller(ScriptedRun(_config(), relaunch_faults=[CheckpointError("none intact")]))
+    controller.subscribe(lambda state: seen.append(state.name))
+    with pytest.raises(CheckpointError):
+        controller.recover(_lost())
+    every = {cls.name for cls in states.State.__args__}
+    assert set(seen) == every and isinstance(Restoring("failure"), states.State.__args__)

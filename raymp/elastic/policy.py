@@ -1,0 +1,74 @@
+"""The elastic controller's decisions: what to do about a failure (RecoveryPolicy) and the dp
+to go on with or grow back to (ScalingPolicy)."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from raymp.elastic.capacity import capacity, largest_valid_dp, largest_valid_replicas, wait_for_replicas
+from raymp.elastic.states import Joining, Recovering
+
+
+class Action(str, Enum):
+    KEEP_SURVIVORS = "keep survivors"
+    RESTORE = "restore"
+    GIVE_UP = "give up"
+
+
+class RecoveryPolicy:
+    """What to do about a failure. Up to elastic.max_restarts failures are recovered from; the
+    survivors go on with their state (elastic.keep_survivors, which the config allows only
+    where the layout leaves them a copy of it) when the rank was lost while training or while
+    new ranks joined, the group is still up, and it did not hang (a hung rank may not answer
+    the survivors' calls); otherwise the run is restored from the lineage."""
+
+    def __init__(self, elastic, group_is_shared: bool):
+        self.enabled, self.max_restarts, self.group_is_shared = elastic.enabled, elastic.max_restarts, group_is_shared
+
+    def refusal(self) -> str | None:
+        """Why this run recovers from nothing (it then stops at its first failure), or None."""
+        if not self.enabled:
+            return "elastic.enabled is false"
+        if self.group_is_shared:
+            return "the actor group was passed in (Trainer(actor_group=...)), so the driver cannot replace it"
+        return None
+
+    def decide(self, state: Recovering, history: list[dict], config, group_alive: bool) -> Action:
+        """`history`: every failure of the run so far, this one included."""
+        if len(history) > self.max_restarts:
+            return Action.GIVE_UP
+        if (state.during in (None, Joining.name) and config.elastic.keep_survivors and group_alive
+                and state.failure.kind != "timeout"):
+            return Action.KEEP_SURVIVORS
+        return Action.RESTORE
+
+
+class ScalingPolicy:
+    """dp after a failure: the largest the live nodes hold now (pp x tp kept, the global batch
+    kept); back to the configured dp at a checkpoint once the cluster has room again."""
+
+    def __init__(self, target, device: str, reserve_node: str | None, grow_back: bool):
+        """`target`: the configured Layout."""
+        self.target_dp, self.target_replicas = target.dp, target.state_replicas
+        self.device, self.reserve_node, self.grow_back = device, reserve_node, grow_back
+
+    def after_failure(self, cfg, log) -> tuple[int, float]:
+        dp, waited, _ = wait_for_replicas(cfg, self.target_dp, self.device, self.reserve_node, log)
+        return dp, waited
+
+    def replicas_to_join(self, cfg, free_replicas: int) -> int | None:
+        """More whole copies of the state than now, up to the configured count, that the free
+        bundles hold and the global batch splits into; None if none."""
+        now = cfg.parallel.layout.state_replicas
+        if not self.grow_back or not free_replicas:
+            return None
+        n = largest_valid_replicas(cfg, min(now + free_replicas, self.target_replicas))
+        return n if n is not None and n > now else None
+
+    def grow_to(self, cfg) -> int | None:
+        """A larger dp the cluster holds now, or None."""
+        if not self.grow_back or cfg.parallel.dp >= self.target_dp:
+            return None
+        cap = capacity(cfg, self.device, self.reserve_node, cfg.data.stream_cpus)
+        dp = largest_valid_dp(cfg, min(cap.replicas, self.target_dp))
+        return dp if dp is not None and dp > cfg.parallel.dp else None
