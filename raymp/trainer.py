@@ -160,9 +160,19 @@ class Trainer:
     # -- the step loop ------------------------------------------------------------------------
 
     def step(self, _dispatch_ahead_until: int = 0) -> dict:
-        """Run one optimizer step on every actor and return the aggregated metrics. (fit() passes
-        its target: the next step may then be queued on the actors early, train.dispatch_ahead.)"""
+        """Run one optimizer step on every actor and return the aggregated metrics. A lost rank is
+        recovered as the elastic policy decides, and the run's next step (after a restart from
+        storage, an earlier one: see restarts) is taken then; a run that recovers from nothing
+        raises WorkerLostError. (fit() passes its target: the next step may then be queued on the
+        actors early, train.dispatch_ahead.)"""
         self.setup()
+        while True:
+            try:
+                return self._step_once(_dispatch_ahead_until)
+            except WorkerLostError as lost:
+                self.elastic.recover(lost)
+
+    def _step_once(self, _dispatch_ahead_until: int) -> dict:
         joining = self.elastic.join_if_room(now=not self.session.queued())  # lost replicas back, live
         t, step = self.config.train, self.global_step
         if step >= t.steps:
@@ -200,12 +210,9 @@ class Trainer:
         status = "FAILED"
         try:
             while self.global_step < target:
-                try:
-                    bar.update(self.step(_dispatch_ahead_until=target))
-                    if self.on_event is not None:
-                        self.on_event("step", {"done": self.global_step})
-                except WorkerLostError as lost:
-                    self.elastic.recover(lost)
+                bar.update(self.step(_dispatch_ahead_until=target))
+                if self.on_event is not None:
+                    self.on_event("step", {"done": self.global_step})
             self.session.commit_in_flight()
             status = "FINISHED"
         except KeyboardInterrupt:

@@ -12,7 +12,6 @@ from typing import Any
 from ray import tune
 
 from raymp.errors import user_errors
-from raymp.runtime.actor_group import WorkerLostError
 from raymp.trainer import Trainer
 from raymp.sweeps.spec import override
 
@@ -58,15 +57,11 @@ class RaympTrial(tune.Trainable):
         if self.setup_error is not None:
             raise self.setup_error
         trainer = self.trainer
-        while True:
-            try:
-                metrics = trainer.step()
-                break
-            except WorkerLostError as lost:  # a lost node: recovered as in a single run (Trainer.fit)
-                trainer.elastic.recover(lost)
-            except Exception as exc:
-                self.ended = f"failed at step {trainer.global_step}: {exc}"
-                raise
+        try:
+            metrics = trainer.step()  # a lost node is recovered inside, as in a single run
+        except Exception as exc:
+            self.ended = f"failed at step {trainer.global_step}: {exc}"
+            raise
         result = {k: float(v) for k, v in metrics.items()
                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
         # A metric some steps lack (val_loss between validations) is carried from the last step
