@@ -24,7 +24,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="path to a run config, e.g. configs/tiny.yaml")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config field, e.g. --set parallel.dp=2 (repeatable)")
-    train.add_argument("--no-progress", action="store_true", help="no per-step output (the final summary is still printed)")
+    train.add_argument(
+        "--no-progress", action="store_true", help="no per-step output (the final summary is still printed)"
+    )
 
     timeline = sub.add_parser(
         "timeline", help="run a few pipeline steps and draw the last one (PNG + Chrome trace)"
@@ -47,8 +49,11 @@ def _parser() -> argparse.ArgumentParser:
     planner.add_argument("--global-batch", type=int, help="sequences per step")
     planner.add_argument("--seq-len", type=int)
     planner.add_argument("--top", type=int, default=5, help="how many fitting layouts to list")
-    planner.add_argument("--compare", metavar="dp=8,pp=4,tp=2,zero=2",
-                         help="also explain one given layout (fits or not, and why); keys dp, cp, pp, tp, zero, mbs, ac, sp, schedule")
+    planner.add_argument(
+        "--compare",
+        metavar="dp=8,pp=4,tp=2,zero=2",
+        help="also explain one given layout (fits or not, and why); keys dp, cp, pp, tp, zero, mbs, ac, sp, schedule",
+    )
 
     data = sub.add_parser("data", help="prepare a dataset: tokenize and pack text into parquet shards")
     data_sub = data.add_subparsers(dest="data_command", required=True)
@@ -62,7 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--seq-len", type=int, help="tokens per sample (+1 for the shifted labels)")
     prep.add_argument("--cache-dir", help="where the prepared dataset goes (path or URI)")
     prep.add_argument("--text-field", help="the text column of .jsonl/.parquet files")
-    prep.add_argument("--skip-bad", action="store_true", help="skip and count bad records instead of stopping")
+    prep.add_argument(
+        "--skip-bad", action="store_true", help="skip and count bad records instead of stopping"
+    )
 
     ckpt = sub.add_parser("checkpoint", help="list a run's checkpoints, or export one as a single file")
     ckpt_sub = ckpt.add_subparsers(dest="checkpoint_command", required=True)
@@ -70,22 +77,35 @@ def _parser() -> argparse.ArgumentParser:
     listing.add_argument("dir", help="checkpoint.dir of a run: a path or URI")
     exp = ckpt_sub.add_parser(
         "export", help="consolidate a checkpoint's sharded weights into one .safetensors or .pt file")
-    exp.add_argument("checkpoint", help="a committed checkpoint: <dir>/step-NNNNNNNN, or <dir> for its latest")
+    exp.add_argument(
+        "checkpoint", help="a committed checkpoint: <dir>/step-NNNNNNNN, or <dir> for its latest"
+    )
     exp.add_argument("--out", required=True, help="output file: .safetensors, or .pt/.pth for torch.save "
                      "(with --hf: a directory)")
-    exp.add_argument("--hf", action="store_true",
-                     help="a Hugging Face model's checkpoint: write a from_pretrained directory (config.json + model.safetensors)")
+    exp.add_argument(
+        "--hf",
+        action="store_true",
+        help="a Hugging Face model's checkpoint: write a from_pretrained directory (config.json + model.safetensors)",
+    )
 
     runs = sub.add_parser("runs", help="list an experiment's MLflow runs as a table, or compare some")
     runs.add_argument("config", nargs="?", help="a run config: its tracking section and output_dir")
     runs.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     runs.add_argument("--experiment", help="experiment name (default: the config's tracking.experiment)")
-    runs.add_argument("--tracking-uri", help="MLflow store (default: the config's, else sqlite under output_dir)")
-    runs.add_argument("--compare", nargs="+", metavar="RUN", help="run ids, id prefixes or names to put side by side")
-    runs.add_argument("--plot", metavar="PNG", help="with --compare: draw their loss, tokens/s and peak memory here")
+    runs.add_argument(
+        "--tracking-uri", help="MLflow store (default: the config's, else sqlite under output_dir)"
+    )
+    runs.add_argument(
+        "--compare", nargs="+", metavar="RUN", help="run ids, id prefixes or names to put side by side"
+    )
+    runs.add_argument(
+        "--plot", metavar="PNG", help="with --compare: draw their loss, tokens/s and peak memory here"
+    )
     runs.add_argument("--limit", type=int, default=50, help="newest runs to list (default 50)")
 
-    sweep = sub.add_parser("sweep", help="search config fields on Ray Tune: each trial a run, all nested in MLflow")
+    sweep = sub.add_parser(
+        "sweep", help="search config fields on Ray Tune: each trial a run, all nested in MLflow"
+    )
     sweep.add_argument("sweep", help="path to a sweep file, e.g. configs/sweeps/tiny-lr.yaml")
     sweep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a field of the sweep's base config, for every trial (repeatable)")
@@ -186,7 +206,9 @@ def _runs(args) -> int:
     if args.compare:
         print(compare_runs(uri, experiment, args.compare))
         if args.plot:
-            print(f"loss, tokens/s and peak memory by step: {plot_comparison(uri, experiment, args.compare, args.plot)}")
+            print(
+                f"loss, tokens/s and peak memory by step: {plot_comparison(uri, experiment, args.compare, args.plot)}"
+            )
         return 0
     rows = list_runs(uri, experiment, args.limit)
     print(f"experiment {experiment!r} in {uri}: {len(rows)} run(s), newest first")
@@ -278,10 +300,16 @@ def _plan(args) -> int:
     if isinstance(own, dict):  # the config's own layout, then the plan's
         print("This config's layout:")
         own_layout = config_from_dict({**data, "parallel": own}).parallel.layout
-        print(explain(margs, own_layout, spec, cfg.train.global_batch_size, cfg.train.seq_len, bf16, result, shape))
+        print(
+            explain(
+                margs, own_layout, spec, cfg.train.global_batch_size, cfg.train.seq_len, bf16, result, shape
+            )
+        )
     print(format_plan(result, args.top))
     if compare is not None:
-        print(explain(margs, compare, spec, cfg.train.global_batch_size, cfg.train.seq_len, bf16, result, shape))
+        print(
+            explain(margs, compare, spec, cfg.train.global_batch_size, cfg.train.seq_len, bf16, result, shape)
+        )
     return 0
 
 
@@ -301,7 +329,9 @@ def _compared_layout(text: str):
         key, sep, value = item.partition("=")
         key, value = key.strip(), value.strip()
         if not sep or not value:
-            raise ConfigError(f"--compare {text!r}: {item!r} is not key=value; write it as dp=8,pp=4,tp=2,zero=2")
+            raise ConfigError(
+                f"--compare {text!r}: {item!r} is not key=value; write it as dp=8,pp=4,tp=2,zero=2"
+            )
         if key not in keys:
             raise ConfigError(f"--compare {text!r}: unknown key {key!r}; the keys are {', '.join(keys)}")
         if key in _COMPARE_INTS and not value.isdigit():
@@ -310,9 +340,17 @@ def _compared_layout(text: str):
             raise ConfigError(f"--compare {text!r}: {key}={value} is not true/false (or yes/no, 1/0)")
         fields[key] = value
     ints = {k: int(fields.get(k, default)) for k, default in _COMPARE_INTS.items()}
-    return Layout(ints["dp"], ints["pp"], ints["tp"], ints["zero"], ints["mbs"],
-                  _COMPARE_BOOLS[fields.get("ac", "false").lower()], _COMPARE_BOOLS[fields.get("sp", "false").lower()],
-                  fields.get("schedule", "1f1b"), cp=ints["cp"])
+    return Layout(
+        ints["dp"],
+        ints["pp"],
+        ints["tp"],
+        ints["zero"],
+        ints["mbs"],
+        _COMPARE_BOOLS[fields.get("ac", "false").lower()],
+        _COMPARE_BOOLS[fields.get("sp", "false").lower()],
+        fields.get("schedule", "1f1b"),
+        cp=ints["cp"],
+    )
 
 
 def _timeline(cfg, args) -> int:

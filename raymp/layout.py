@@ -173,7 +173,9 @@ class Layout:
 
     def settings_keeping(self, replicas: int) -> dict[str, int]:
         """The parallel settings that go on with `replicas` of its state replicas (the survivors')."""
-        return {"dp": replicas} if self.zero == 0 else {"dp": replicas * self.dp_shard, "dp_replicate": replicas}
+        return (
+            {"dp": replicas} if self.zero == 0 else {"dp": replicas * self.dp_shard, "dp_replicate": replicas}
+        )
 
     def micro_batches(self, global_batch: int) -> int:
         """Micro-batches each replica runs per optimizer step."""
@@ -209,7 +211,9 @@ class Layout:
     def text(self, detail: bool = False) -> str:
         """The layout as people read it; `detail` adds micro-batch size, schedule and options."""
         hsdp = f" ({self.dp_replicate}x{self.dp_shard} HSDP)" * (self.dp_replicate > 1)
-        core = f"dp={self.dp}{hsdp}{f' cp={self.cp}' * (self.cp > 1)} pp={self.pp} tp={self.tp} zero={self.zero}"
+        core = (
+            f"dp={self.dp}{hsdp}{f' cp={self.cp}' * (self.cp > 1)} pp={self.pp} tp={self.tp} zero={self.zero}"
+        )
         if not detail:
             return core
         extra = [f"mbs={self.micro_batch_size}"] + ([self.schedule] if self.pp > 1 else [])
@@ -264,26 +268,33 @@ class Layout:
         if rep == 1:
             return
         if self.dp % rep:
-            yield (f"parallel.dp_replicate ({rep}) must divide parallel.dp ({self.dp}): HSDP runs dp_replicate "
-                   f"groups of dp / dp_replicate shards; change one of them")
+            yield (
+                f"parallel.dp_replicate ({rep}) must divide parallel.dp ({self.dp}): HSDP runs dp_replicate "
+                f"groups of dp / dp_replicate shards; change one of them"
+            )
         elif not self.fsdp:
-            yield (f"parallel.dp_replicate > 1 (HSDP) shards with FSDP2 inside each group and needs parallel.zero 2 "
-                   f"or 3 (zero is {self.zero}); set parallel.zero=3, or parallel.dp_replicate=1")
+            yield (
+                f"parallel.dp_replicate > 1 (HSDP) shards with FSDP2 inside each group and needs parallel.zero 2 "
+                f"or 3 (zero is {self.zero}); set parallel.zero=3, or parallel.dp_replicate=1"
+            )
 
     def _tensor_problems(self, shape: ModelShape, seq_len: int, devices_per_node: int | None):
         tp = self.tp
         if tp > 1 and devices_per_node is not None and tp > devices_per_node:
             yield f"parallel.tp ({tp}) exceeds the {devices_per_node} devices of a node; a TP group stays in one"
         if tp > 1 and shape.experts:
-            yield ("model.moe with parallel.tp > 1 is not supported (no tensor-parallel plan for expert blocks "
-                   "yet); set parallel.tp=1 and spread the model with parallel.pp or parallel.zero")
+            yield (
+                "model.moe with parallel.tp > 1 is not supported (no tensor-parallel plan for expert blocks "
+                "yet); set parallel.tp=1 and spread the model with parallel.pp or parallel.zero"
+            )
         elif tp > 1 and not shape.tp_plan:
             yield ("parallel.tp > 1 needs a tensor-parallel plan for a model.factory model: set "
                    "model.factory_tp_plan (docs/models.md), or use parallel.tp=1")
         for name, size, paddable in shape.tp_sizes if tp > 1 else ():
             if size % tp:
-                yield f"parallel.tp ({tp}) must divide {name} ({size})" + (f" in {shape.sizes_in}" * bool(shape.sizes_in)) + (
-                    f"; pad it: set model.vocab_size={padded_vocab(size, tp)}" if paddable else "")
+                yield f"parallel.tp ({tp}) must divide {name} ({size})" + (
+                    f" in {shape.sizes_in}" * bool(shape.sizes_in)
+                ) + (f"; pad it: set model.vocab_size={padded_vocab(size, tp)}" if paddable else "")
         if self.sequence_parallel and tp == 1:
             yield "parallel.sequence_parallel needs parallel.tp > 1; set one or the other"
         elif self.sequence_parallel and not shape.sequence_parallel:
@@ -335,11 +346,21 @@ def device_mesh(layout: Layout, device_type: str) -> dict:
     from raymp.torch_compat import flatten_mesh, unflatten_mesh
 
     if layout.dp_replicate > 1:
-        mesh = init_device_mesh(device_type, (layout.dp_replicate, layout.dp_shard * layout.cp, layout.pp, layout.tp),
-                                mesh_dim_names=("dp_replicate", "dp_shard_cp", "pp", "tp"))
+        mesh = init_device_mesh(
+            device_type,
+            (layout.dp_replicate, layout.dp_shard * layout.cp, layout.pp, layout.tp),
+            mesh_dim_names=("dp_replicate", "dp_shard_cp", "pp", "tp"),
+        )
         shard_cp = unflatten_mesh(mesh["dp_shard_cp"], 0, (layout.dp_shard, layout.cp), ("dp_shard", "cp"))
-        return {"data": mesh["dp_replicate", "dp_shard_cp"], "cp": shard_cp["cp"], "pp": mesh["pp"], "tp": mesh["tp"]}
-    mesh = init_device_mesh(device_type, (layout.dp, layout.cp, layout.pp, layout.tp), mesh_dim_names=layout.MESH_DIMS)
+        return {
+            "data": mesh["dp_replicate", "dp_shard_cp"],
+            "cp": shard_cp["cp"],
+            "pp": mesh["pp"],
+            "tp": mesh["tp"],
+        }
+    mesh = init_device_mesh(
+        device_type, (layout.dp, layout.cp, layout.pp, layout.tp), mesh_dim_names=layout.MESH_DIMS
+    )
     data = flatten_mesh(mesh["dp", "cp"], "dp_cp") if layout.cp > 1 else mesh["dp"]
     return {"data": data, "cp": mesh["cp"], "pp": mesh["pp"], "tp": mesh["tp"]}
 
@@ -358,8 +379,10 @@ def _context_problems(layout: Layout, shape: ModelShape, seq_len: int):
                "(or train shorter sequences, or use parallel.tp with sequence_parallel to cut activations)")
         return
     if shape.cp_heads % (tp * cp):
-        yield (f"parallel.cp ({cp}) x parallel.tp ({tp}) must divide model.n_heads ({shape.cp_heads}): context "
-               "parallelism gives each cp rank a share of every TP rank's heads; change parallel.cp")
+        yield (
+            f"parallel.cp ({cp}) x parallel.tp ({tp}) must divide model.n_heads ({shape.cp_heads}): context "
+            "parallelism gives each cp rank a share of every TP rank's heads; change parallel.cp"
+        )
     split = cp * tp if layout.sequence_parallel else cp
     if seq_len % split:
         what = "parallel.cp x parallel.tp (sequence parallel)" if layout.sequence_parallel else "parallel.cp"

@@ -35,7 +35,9 @@ def _log_sum_exp(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits.float(), dim=-1)
 
 
-def _logits_gradient(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _logits_gradient(
+    logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
     """(softmax - one_hot(labels)) * scale, in the logits' dtype: pointwise, so compiled it is
     one kernel that reads the logits and writes the gradient."""
     probs = torch.exp(logits.float() - lse.unsqueeze(-1))
@@ -49,7 +51,10 @@ _fused_kernels: tuple | None = None
 def _fused() -> tuple:
     global _fused_kernels
     if _fused_kernels is None:  # compiled once per process, on first use
-        _fused_kernels = (torch.compile(_log_sum_exp, dynamic=True), torch.compile(_logits_gradient, dynamic=True))
+        _fused_kernels = (
+            torch.compile(_log_sum_exp, dynamic=True),
+            torch.compile(_logits_gradient, dynamic=True),
+        )
     return _fused_kernels
 
 

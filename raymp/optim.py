@@ -43,8 +43,10 @@ def warmup_note(opt_cfg, total_steps: int) -> str | None:
     w = opt_cfg.warmup_steps
     if w < total_steps:
         return None
-    return (f"note: optimizer.warmup_steps ({w}) is not below train.steps ({total_steps}): the whole run warms up, "
-            f"its last step at {lr_factor(total_steps - 1, w, total_steps, opt_cfg.min_lr_ratio):.0%} of optimizer.lr")
+    return (
+        f"note: optimizer.warmup_steps ({w}) is not below train.steps ({total_steps}): the whole run warms up, "
+        f"its last step at {lr_factor(total_steps - 1, w, total_steps, opt_cfg.min_lr_ratio):.0%} of optimizer.lr"
+    )
 
 
 def build_scheduler(optimizer, opt_cfg, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:

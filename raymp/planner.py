@@ -175,8 +175,9 @@ def estimate(args, layout: Layout, global_batch: int, seq_len: int, bf16: bool,
         if last:  # final norm, then log-softmax over this rank's vocabulary shard in fp32
             per_mb += (3 * args.dim + 1) * stream_bytes + args.vocab_size / tp * 4
         # Checkpointed blocks keep no copies (they are made again in the recompute).
-        weight_copies = (0 if layout.activation_checkpointing else sum(block_copy(layer) for layer in held)) + (
-            2 * args.vocab_size * args.dim / tp if autocast and last else 0)
+        weight_copies = (
+            0 if layout.activation_checkpointing else sum(block_copy(layer) for layer in held)
+        ) + (2 * args.vocab_size * args.dim / tp if autocast and last else 0)
         activations = in_flight(layout.schedule, pp, rank, micro) * (per_mb * tokens + weight_copies)
         buffers = 0.0
         if layout.zero == 3:  # one block gathered, one prefetched
@@ -234,7 +235,9 @@ def layout_problem(args, layout: Layout, global_batch: int, seq_len: int, cluste
                    shape: ModelShape | None = None) -> str:
     """Why a layout cannot run at all (before memory), or '': the layout's own rules
     (raymp.layout), for `shape` (default: the built-in model of `args`' shape)."""
-    problems = layout.problems(shape or ModelShape.of_args(args), global_batch, seq_len, cluster.gpus_per_node)
+    problems = layout.problems(
+        shape or ModelShape.of_args(args), global_batch, seq_len, cluster.gpus_per_node
+    )
     return problems[0] if problems else ""
 
 
@@ -251,12 +254,26 @@ def proposals(cluster: Cluster, shape: ModelShape, seq_len: int, micro_batch_siz
             for cp in _divisors(world // (tp * pp)):
                 dp = world // (tp * pp * cp)
                 for zero in ((1, 2, 3) if dp * cp > 1 else (0,)):
-                    hsdp = runs_on_fsdp(zero) and cluster.nodes > 1 and dp % cluster.nodes == 0 and dp > cluster.nodes
+                    hsdp = (
+                        runs_on_fsdp(zero)
+                        and cluster.nodes > 1
+                        and dp % cluster.nodes == 0
+                        and dp > cluster.nodes
+                    )
                     for replicate in (1, cluster.nodes) if hsdp else (1,):
                         for mbs in micro_batch_sizes:
                             for ac in (False, True):
-                                yield Layout(dp, pp, tp, zero, mbs, ac, sequence_parallel=sp, dp_replicate=replicate,
-                                             cp=cp)
+                                yield Layout(
+                                    dp,
+                                    pp,
+                                    tp,
+                                    zero,
+                                    mbs,
+                                    ac,
+                                    sequence_parallel=sp,
+                                    dp_replicate=replicate,
+                                    cp=cp,
+                                )
 
 
 def plan(args, cluster: Cluster, global_batch: int, seq_len: int, bf16: bool = True,
@@ -274,7 +291,10 @@ def plan(args, cluster: Cluster, global_batch: int, seq_len: int, bf16: bool = T
         fits = peak <= limit
         reason = "" if fits else f"needs {peak / GB:.1f} GB per GPU > {limit / GB:.1f} GB usable"
         result.candidates.append(
-            Candidate(layout, ranks, step_seconds(args, layout, cluster, global_batch, seq_len, bf16), fits, reason))
+            Candidate(
+                layout, ranks, step_seconds(args, layout, cluster, global_batch, seq_len, bf16), fits, reason
+            )
+        )
     return result
 
 
@@ -304,7 +324,6 @@ def format_plan(p: Plan, top: int = 5) -> str:
     return "\n".join(lines)
 
 
-
 def explain(args, layout: Layout, cluster: Cluster, global_batch: int, seq_len: int, bf16: bool,
             result: Plan | None = None, shape: ModelShape | None = None) -> str:
     """One layout, judged: can it run, does it fit (and what would make it fit), and how it
@@ -317,7 +336,9 @@ def explain(args, layout: Layout, cluster: Cluster, global_batch: int, seq_len: 
     def judge(lay: Layout) -> Candidate:
         ranks = estimate(args, lay, global_batch, seq_len, bf16)
         peak = max(r.total_bytes for r in ranks)
-        return Candidate(lay, ranks, step_seconds(args, lay, cluster, global_batch, seq_len, bf16), peak <= limit)
+        return Candidate(
+            lay, ranks, step_seconds(args, lay, cluster, global_batch, seq_len, bf16), peak <= limit
+        )
 
     c = judge(layout)
     verdict = "fits" if c.fits else "does NOT fit"
@@ -329,11 +350,15 @@ def explain(args, layout: Layout, cluster: Cluster, global_batch: int, seq_len: 
                        {"zero": 3, "activation_checkpointing": True}):
             variant = judge(dataclasses.replace(layout, **change))
             if layout_problem(args, variant.layout, global_batch, seq_len, cluster, shape) == "":
-                fixes.append(f"{', '.join(f'{k}={v}' for k, v in change.items())}: "
-                             f"{variant.peak_bytes / GB:.1f} GB ({'fits' if variant.fits else 'still too big'})")
+                fixes.append(
+                    f"{', '.join(f'{k}={v}' for k, v in change.items())}: "
+                    f"{variant.peak_bytes / GB:.1f} GB ({'fits' if variant.fits else 'still too big'})"
+                )
         lines.append("  With changes: " + "; ".join(fixes) + ".")
     best = (result or plan(args, cluster, global_batch, seq_len, bf16, shape=shape)).best
     if best is not None:
-        lines.append(f"  The plan's best, {best.layout.text(detail=True)}, needs {best.peak_bytes / GB:.1f} GB per GPU "
-                     f"at ~{best.time['tokens_per_s']:,.0f} tokens/s.")
+        lines.append(
+            f"  The plan's best, {best.layout.text(detail=True)}, needs {best.peak_bytes / GB:.1f} GB per GPU "
+            f"at ~{best.time['tokens_per_s']:,.0f} tokens/s."
+        )
     return "\n".join(lines)

@@ -37,7 +37,9 @@ class StepProgress:
             bubble = ""
             if m.get("bubble_fraction") is not None:
                 theory = m.get("bubble_fraction_theory")
-                bubble = f"  bubble {m['bubble_fraction']:.0%}" + (f" (theory {theory:.0%})" if theory is not None else "")
+                bubble = f"  bubble {m['bubble_fraction']:.0%}" + (
+                    f" (theory {theory:.0%})" if theory is not None else ""
+                )
             if m.get("moe_imbalance_max") is not None:
                 bubble += f"  experts max/mean {m['moe_imbalance_max']:.2f}  aux {m['moe_aux_loss']:.4f}"
             self.console.print(

@@ -41,7 +41,9 @@ def train_single_process(cfg: RunConfig, steps: int | None = None, device: str |
     blocks = moe_blocks(model)
     losses = []
     for step in range(steps or cfg.train.steps):
-        chunks = data.gather(order.batch(step)).reshape(-1, cfg.parallel.micro_batch_size, cfg.train.seq_len + 1)
+        chunks = data.gather(order.batch(step)).reshape(
+            -1, cfg.parallel.micro_batch_size, cfg.train.seq_len + 1
+        )
         set_aux_grad_scale(blocks, 1 / len(chunks))
         total = 0.0
         for chunk in chunks:

@@ -9,9 +9,24 @@ from raymp import metric_names as names
 from raymp.config import ConfigError
 
 COLUMNS = ("name", "run", "status", "layout", "steps", "loss", "val_loss", "tokens/s", "restarts", "started")
-COMPARED_METRICS = (names.LOSS, names.VAL_LOSS, names.TOKENS_PER_S_MEDIAN, *(names.PER_STEP[k] for k in (
-    "tokens_per_s", "step_time_s", "mfu", "model_tflops_per_device", "data_wait_fraction", "bubble_fraction")),
-    names.PEAK_MEM, names.PER_STEP["restarts"])
+COMPARED_METRICS = (
+    names.LOSS,
+    names.VAL_LOSS,
+    names.TOKENS_PER_S_MEDIAN,
+    *(
+        names.PER_STEP[k]
+        for k in (
+            "tokens_per_s",
+            "step_time_s",
+            "mfu",
+            "model_tflops_per_device",
+            "data_wait_fraction",
+            "bubble_fraction",
+        )
+    ),
+    names.PEAK_MEM,
+    names.PER_STEP["restarts"],
+)
 
 
 def _client(uri: str):
@@ -34,16 +49,25 @@ def list_runs(uri: str, experiment: str, limit: int = 50) -> list[dict]:
     client = _client(uri)
     exp = _experiment(client, experiment)
     rows = []
-    for run in client.search_runs([exp.experiment_id], max_results=limit, order_by=["attributes.start_time DESC"]):
+    for run in client.search_runs(
+        [exp.experiment_id], max_results=limit, order_by=["attributes.start_time DESC"]
+    ):
         m, tags = run.data.metrics, run.data.tags
         steps = len({x.step for x in client.get_metric_history(run.info.run_id, names.LOSS)})
-        rows.append({
-            "name": run.info.run_name, "run": run.info.run_id, "status": run.info.status,
-            "layout": tags.get("raymp.layout", "?"), "steps": steps, "loss": m.get(names.LOSS),
-            "val_loss": m.get(names.VAL_LOSS), "tokens/s": m.get(names.TOKENS_PER_S_MEDIAN, m.get(names.TOKENS_PER_S)),
-            "restarts": int(tags.get("raymp.restarts", 0)),
-            "started": _dt.datetime.fromtimestamp(run.info.start_time / 1000).strftime("%Y-%m-%d %H:%M"),
-        })
+        rows.append(
+            {
+                "name": run.info.run_name,
+                "run": run.info.run_id,
+                "status": run.info.status,
+                "layout": tags.get("raymp.layout", "?"),
+                "steps": steps,
+                "loss": m.get(names.LOSS),
+                "val_loss": m.get(names.VAL_LOSS),
+                "tokens/s": m.get(names.TOKENS_PER_S_MEDIAN, m.get(names.TOKENS_PER_S)),
+                "restarts": int(tags.get("raymp.restarts", 0)),
+                "started": _dt.datetime.fromtimestamp(run.info.start_time / 1000).strftime("%Y-%m-%d %H:%M"),
+            }
+        )
     return rows
 
 

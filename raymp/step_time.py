@@ -93,7 +93,11 @@ def step_seconds(args, layout: Layout, cluster: Cluster, global_batch: int, seq_
         flops *= 4 / 3
     compute = flops / (layout.world_size * cluster.gpu_tflops * 1e12 * cluster.achievable_mfu)
     micro = layout.micro_batches(global_batch)
-    bubble = theoretical_bubble(layout.schedule, layout.pp, micro, layout.stages_per_rank) if layout.pp > 1 else 0.0
+    bubble = (
+        theoretical_bubble(layout.schedule, layout.pp, micro, layout.stages_per_rank)
+        if layout.pp > 1
+        else 0.0
+    )
     compute /= 1 - (bubble or 0.0)
     tp_time = 0.0
     local_seq = seq_len / layout.cp
@@ -106,12 +110,20 @@ def step_seconds(args, layout: Layout, cluster: Cluster, global_batch: int, seq_
     cp_time = 0.0
     if layout.cp > 1:  # per block: q, k, v and the output all-to-all forward, their gradients back
         exchanges = micro * 8 * args.n_layers / layout.pp
-        local = layout.micro_batch_size * local_seq * args.dim / layout.tp * act  # k, v repeated to every head
+        local = (
+            layout.micro_batch_size * local_seq * args.dim / layout.tp * act
+        )  # k, v repeated to every head
         cp_time = exchanges * (local * (layout.cp - 1) / layout.cp / (cluster.intra_node_gbps * GB)
                                + cluster.message_latency_s)
     pp_time = 0.0
     if layout.pp > 1:  # per micro-batch and stage chunk: activations forward, their gradient back
-        hidden = layout.micro_batch_size * local_seq * args.dim * act / (layout.tp if layout.sequence_parallel else 1)
+        hidden = (
+            layout.micro_batch_size
+            * local_seq
+            * args.dim
+            * act
+            / (layout.tp if layout.sequence_parallel else 1)
+        )
         bw = (cluster.inter_node_gbps if spans_nodes else cluster.intra_node_gbps) * GB  # pp is outermost
         pp_time = micro * layout.stages_per_rank * 2 * (hidden / bw + cluster.message_latency_s)
     dp_time = 0.0
@@ -125,7 +137,9 @@ def step_seconds(args, layout: Layout, cluster: Cluster, global_batch: int, seq_
             "tokens_per_s": global_batch * seq_len / total}
 
 
-def _data_parallel_seconds(args, layout: Layout, cluster: Cluster, micro: int, act: int, spans_nodes: bool) -> float:
+def _data_parallel_seconds(
+    args, layout: Layout, cluster: Cluster, micro: int, act: int, spans_nodes: bool
+) -> float:
     """DDP: one all-reduce of fp32 gradients per step (bucketed). FSDP: a reduce-scatter of them
     per micro-batch, and parameter all-gathers (ZeRO-2 once per step, ZeRO-3 in forward and
     backward of every micro-batch), inside the shard group; under HSDP the sharded gradients are
@@ -145,7 +159,9 @@ def _data_parallel_seconds(args, layout: Layout, cluster: Cluster, micro: int, a
     seconds += blocks * (micro + gathers) * cluster.message_latency_s
     if layout.dp_replicate > 1:
         rep = layout.dp_replicate
-        seconds += micro * (2 * values / shards * 4 * (rep - 1) / rep / bw * 0.5 + blocks * cluster.message_latency_s)
+        seconds += micro * (
+            2 * values / shards * 4 * (rep - 1) / rep / bw * 0.5 + blocks * cluster.message_latency_s
+        )
     return seconds
 
 

@@ -86,9 +86,11 @@ def run_timeline(events, step: int, cfg, history: list[dict], run_name: str, loc
         raise RuntimeError("no step has run yet; call step() or fit() first")
     lay, metrics = cfg.parallel.layout, history[-1]
     theory = metrics["bubble_fraction_theory"]
-    title = (f"{run_name}: step {step}, schedule {lay.schedule}, pp={lay.pp}, "
-             f"{lay.micro_batches(cfg.train.global_batch_size)} micro-batches; bubble {metrics['bubble_fraction']:.1%}"
-             + (f" (theory {theory:.1%})" if theory is not None else ""))
+    title = (
+        f"{run_name}: step {step}, schedule {lay.schedule}, pp={lay.pp}, "
+        f"{lay.micro_batches(cfg.train.global_batch_size)} micro-batches; bubble {metrics['bubble_fraction']:.1%}"
+        + (f" (theory {theory:.1%})" if theory is not None else "")
+    )
     with staged(location) as local:
         drawn = write_timeline(events, local, title)
         if on_drawn is not None:

@@ -41,8 +41,10 @@ def check_tracking_store(uri: str, timeout_s: float, reading: bool = False) -> N
     if scheme == "sqlite":
         database = Path(uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else uri)
         if reading and not database.exists():
-            raise ConfigError(f"no MLflow database at {database}: runs are recorded there by `raymp train` with "
-                              f"this output_dir ({FIELD} unset) or this {FIELD}; pass --tracking-uri for another")
+            raise ConfigError(
+                f"no MLflow database at {database}: runs are recorded there by `raymp train` with "
+                f"this output_dir ({FIELD} unset) or this {FIELD}; pass --tracking-uri for another"
+            )
         if not reading:
             _check_writable_dir(database.parent)
         return  # MLflow creates the database when the run starts, not before (a failing start leaves none)
@@ -69,8 +71,10 @@ def _check_writable_dir(directory: Path) -> None:
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ConfigError(f"{FIELD}: cannot create the MLflow database's directory {directory} ({exc.strerror}); "
-                          "set output_dir or tracking.tracking_uri to a writable place") from None
+        raise ConfigError(
+            f"{FIELD}: cannot create the MLflow database's directory {directory} ({exc.strerror}); "
+            "set output_dir or tracking.tracking_uri to a writable place"
+        ) from None
 
 
 def _check_with_mlflow(uri: str) -> None:

@@ -81,11 +81,15 @@ class Trainer:
 
     @property
     def failures(self) -> list[dict]:
-        return self.elastic.failures if self.elastic else []  # every lost rank, in order (while recovering too)
+        return (
+            self.elastic.failures if self.elastic else []
+        )  # every lost rank, in order (while recovering too)
 
     @property
     def restarts(self) -> list[dict]:
-        return self.elastic.restarts if self.elastic else []  # every restart (failure, growing back) as its event
+        return (
+            self.elastic.restarts if self.elastic else []
+        )  # every restart (failure, growing back) as its event
 
     # -- set-up -------------------------------------------------------------------------------
 
@@ -122,8 +126,16 @@ class Trainer:
                            yaml.safe_dump(resolved_dict(self.config), sort_keys=False))
         if cfg.tracking.enabled:
             self.tracking = self.session.tracking = RunTracking.start(
-                self.config, self.run_name, self.session, self.device, self.num_params, resume, self.lineage.id,
-                self.global_step, self.feed.params())
+                self.config,
+                self.run_name,
+                self.session,
+                self.device,
+                self.num_params,
+                resume,
+                self.lineage.id,
+                self.global_step,
+                self.feed.params(),
+            )
         self._ready = True
         return self
 
@@ -178,8 +190,12 @@ class Trainer:
         if step >= t.steps:
             raise RuntimeError(f"the run is complete: train.steps={t.steps} steps done")
         eval_due = self.feed.eval_due(step, t)
-        ahead = (t.dispatch_ahead and step + 1 < _dispatch_ahead_until and not (eval_due or joining or self.on_event)
-                 and not (self.session.checkpoints.due(step + 1, t.steps) and self.elastic.grows_at_checkpoint()))
+        ahead = (
+            t.dispatch_ahead
+            and step + 1 < _dispatch_ahead_until
+            and not (eval_due or joining or self.on_event)
+            and not (self.session.checkpoints.due(step + 1, t.steps) and self.elastic.grows_at_checkpoint())
+        )
         reports, metrics = self.session.run_step(step, next_may_start=ahead)
         self.feed.next_step += 1
         metrics["restarts"] = len(self.restarts)
@@ -223,7 +239,9 @@ class Trainer:
             bar.close()
             if self.config.parallel.pp > 1 and self.history:
                 paths = self.timeline(on_drawn=self.tracking.log_artifacts)
-                bar.print(f"pipeline timeline of the last step: {paths['png']} (Chrome trace: {paths['trace']})")
+                bar.print(
+                    f"pipeline timeline of the last step: {paths['png']} (Chrome trace: {paths['trace']})"
+                )
             if status != "FINISHED" or self.global_step >= total:
                 self.end_tracking(status)
         bar.print(self.summary())
@@ -291,7 +309,9 @@ class Trainer:
         """Per-rank model-state bytes (params, grads, optimizer) measured at the last step."""
         if not self.history:
             raise RuntimeError("no step has run yet; call step() or fit() first")
-        return memory_rows(self.history[-1]["per_rank"], self.session.memory_estimate, self.config.parallel.layout)
+        return memory_rows(
+            self.history[-1]["per_rank"], self.session.memory_estimate, self.config.parallel.layout
+        )
 
     def state_dict(self) -> dict:
         """Full, unsharded model weights on the driver (CPU tensors), stages merged."""
@@ -300,18 +320,30 @@ class Trainer:
 
     def timeline(self, directory: str | Path | None = None, on_drawn=None) -> dict[str, str]:
         """Draw the last step's pipeline (dp replica 0) as timeline.png and timeline.json (Chrome trace) in
-        `directory` (path or URI; default: the run directory); returns where. fit() logs them via `on_drawn`."""
+        `directory` (path or URI; default: the run directory); returns where. fit() logs them via `on_drawn`.
+        """
         return run_timeline(self.last_pipeline_events, self._last_pipeline_step, self.config,
                             self.history, self.run_name, str(directory or self.run_dir), on_drawn)
 
     def describe(self) -> str:
         self.setup()
-        return describe(self.run_name, self.config, self.num_params, self.data.manifest, self.device,
-                        self.group.backend, self.config.parallel.stage_layers, self.run_dir, self.lineage.store.root,
-                        self.session.memory_estimate)
+        return describe(
+            self.run_name,
+            self.config,
+            self.num_params,
+            self.data.manifest,
+            self.device,
+            self.group.backend,
+            self.config.parallel.stage_layers,
+            self.run_dir,
+            self.lineage.store.root,
+            self.session.memory_estimate,
+        )
 
     def summary(self) -> str:
-        return summary(self.history, self.feed, self.data.manifest, self.tracking, compiles(self.config, self.device))
+        return summary(
+            self.history, self.feed, self.data.manifest, self.tracking, compiles(self.config, self.device)
+        )
 
     # -- tear-down ----------------------------------------------------------------------------
 

@@ -105,7 +105,9 @@ class CheckpointCoordinator:
         return self._commit(pending, pending.files)
 
     def _commit(self, pending: PendingSave, files: dict) -> Checkpoint:
-        checkpoint = self.store.commit(pending.step, {**pending.meta, "lineage": self.lineage.record()}, files)
+        checkpoint = self.store.commit(
+            pending.step, {**pending.meta, "lineage": self.lineage.record()}, files
+        )
         self.committed.append(checkpoint)
         if self.on_commit is not None:
             self.on_commit(checkpoint.step)

@@ -19,7 +19,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from raymp.checkpoint.rank_state import EMBEDDING, TIED_HEAD
-from raymp.checkpoint.store import MARKER, Checkpoint, CheckpointError, CheckpointStore, read_marker, storage_reader
+from raymp.checkpoint.store import (
+    MARKER,
+    Checkpoint,
+    CheckpointError,
+    CheckpointStore,
+    read_marker,
+    storage_reader,
+)
 from raymp.checkpoint.integrity import verify
 from raymp.layout import Layout
 from raymp.models.hf import export_hf, load_hf_config
@@ -33,8 +40,10 @@ def intact_checkpoint(path: str) -> tuple[Checkpoint, list[str]]:
     if fs.exists(f"{inner}/{MARKER}"):
         checkpoint = read_marker(path)  # refuses a marker that was changed after the commit
         if problems := verify(checkpoint.path, checkpoint.meta):
-            raise CheckpointError(f"checkpoint {path} is damaged ({problems[0]}); it is not exported. "
-                                  f"`raymp checkpoint list {path.rstrip('/').rsplit('/', 1)[0]}` shows the intact ones")
+            raise CheckpointError(
+                f"checkpoint {path} is damaged ({problems[0]}); it is not exported. "
+                f"`raymp checkpoint list {path.rstrip('/').rsplit('/', 1)[0]}` shows the intact ones"
+            )
         return checkpoint, []
     store = CheckpointStore(path)
     passed_over = []
@@ -46,7 +55,9 @@ def intact_checkpoint(path: str) -> tuple[Checkpoint, list[str]]:
                 return entry.checkpoint, passed_over
             passed_over.append(f"step {entry.step} ({problems[0]})")
     found = f": every committed one is damaged: {'; '.join(passed_over)}" if passed_over else ""
-    raise CheckpointError(f"{path} is neither a committed checkpoint nor a directory holding an intact one{found}")
+    raise CheckpointError(
+        f"{path} is neither a committed checkpoint nor a directory holding an intact one{found}"
+    )
 
 
 def consolidated_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:

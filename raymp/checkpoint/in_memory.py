@@ -48,8 +48,12 @@ class PeerCopyWriter:
         scratch = tempfile.mkdtemp(prefix="raymp-peer-copy-")
         try:
             # Scratch read back soon: no fsync (it cost more than the write).
-            future = save_in_background(sd, FileSystemWriter(scratch, sync_files=False), self.checkpointer.group,
-                                        AsyncCheckpointerType.THREAD)
+            future = save_in_background(
+                sd,
+                FileSystemWriter(scratch, sync_files=False),
+                self.checkpointer.group,
+                AsyncCheckpointerType.THREAD,
+            )
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
             raise
@@ -63,12 +67,16 @@ class PeerCopyWriter:
         with self._lock:
             scratch, future = self._writes.get(step) or (None, None)
         if future is None:
-            raise RuntimeError(f"no peer copy of step {step} is in flight on this rank (its process group was re-formed)")
+            raise RuntimeError(
+                f"no peer copy of step {step} is in flight on this rank (its process group was re-formed)"
+            )
         try:
             if not futures_wait([future], timeout=self.timeout_s).done:
                 raise self._still_writing(step)
             future.result()  # the write's error, if it failed
-            return step, {f.name: np.fromfile(f, dtype=np.uint8) for f in Path(scratch).iterdir() if f.is_file()}
+            return step, {
+                f.name: np.fromfile(f, dtype=np.uint8) for f in Path(scratch).iterdir() if f.is_file()
+            }
         finally:
             with self._lock:
                 self._writes.pop(step, None)

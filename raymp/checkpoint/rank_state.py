@@ -293,7 +293,10 @@ class RankCheckpointer:
         return {"load_s": time.perf_counter() - t0, "rng_restored": "torch" in rng}
 
     def _same_world(self, saved) -> bool:
-        return f"rng.rank{self.world_size - 1}.torch" in saved and f"rng.rank{self.world_size}.torch" not in saved
+        return (
+            f"rng.rank{self.world_size - 1}.torch" in saved
+            and f"rng.rank{self.world_size}.torch" not in saved
+        )
 
     def _optimizer_targets(self, saved, engine, tied, path) -> dict:
         """key -> ([parameters], {state name: empty tensor shaped like the saved entry}).

@@ -80,7 +80,11 @@ def read_marker(path: str) -> Checkpoint:
     fs, root = fsspec_fs(path)
     marker = f"{root.rstrip('/')}/{MARKER}"
     if not fs.exists(marker):
-        state = "does not exist" if not fs.exists(root) else "was never committed (no raymp.json: its write did not finish)"
+        state = (
+            "does not exist"
+            if not fs.exists(root)
+            else "was never committed (no raymp.json: its write did not finish)"
+        )
         raise CheckpointError(f"checkpoint {path} {state}; pass a committed one (raymp checkpoint list DIR)")
     try:
         with fs.open(marker, "r") as f:
@@ -252,7 +256,9 @@ class CheckpointStore:
         for e in entries:
             if (e.committed and e.step not in keep) or (not e.committed and e.step < newest):
                 name = e.path.rsplit("/", 1)[-1]
-                if e.committed:  # uncommit first: a prune cut short must not leave a marker over missing shards
+                if (
+                    e.committed
+                ):  # uncommit first: a prune cut short must not leave a marker over missing shards
                     self.fs.rm(f"{self._root}/{name}/{MARKER}")
                 self.fs.rm(f"{self._root}/{name}", recursive=True)
                 removed.append(name)

@@ -29,7 +29,25 @@ from raymp.config.schema import (
                                   TrainingConfig,
 )
 
-__all__ = ["CPU_OFFLOAD_ON_CPU", "CheckpointConfig", "ClusterConfig", "ConfigError", "DataConfig", "ElasticConfig",
-           "ModelConfig", "OptimizerConfig", "ParallelConfig", "ResourcesConfig", "RunConfig", "TrackingConfig",
-           "TrainingConfig", "apply_overrides", "config_from_dict", "flatten", "load_config", "parse_override",
-           "read_config_file", "resolved_dict"]
+__all__ = [
+    "CPU_OFFLOAD_ON_CPU",
+    "CheckpointConfig",
+    "ClusterConfig",
+    "ConfigError",
+    "DataConfig",
+    "ElasticConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "ResourcesConfig",
+    "RunConfig",
+    "TrackingConfig",
+    "TrainingConfig",
+    "apply_overrides",
+    "config_from_dict",
+    "flatten",
+    "load_config",
+    "parse_override",
+    "read_config_file",
+    "resolved_dict",
+]

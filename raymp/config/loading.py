@@ -11,7 +11,14 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from raymp.config.schema import BF16_COMPUTE, ClusterConfig, ConfigError, ModelConfig, RunConfig, TrainingConfig
+from raymp.config.schema import (
+    BF16_COMPUTE,
+    ClusterConfig,
+    ConfigError,
+    ModelConfig,
+    RunConfig,
+    TrainingConfig,
+)
 from raymp.models import model_args
 from raymp.models.shape import TOKENIZER_VOCAB, model_shape, probed_shape
 from raymp.planner import plan
@@ -110,8 +117,10 @@ def with_model_shape(model: dict) -> dict:
         return model  # several sources: the schema says so; a factory with a preset: its shape
     fields = probed_shape(model)
     if model.get("moe") is not None and "moe" not in fields:
-        raise ValueError(f"model.moe builds the built-in model's MoE blocks; the model.{sources[0]} model is not "
-                         "a mixture of experts, or brings its own: remove model.moe")
+        raise ValueError(
+            f"model.moe builds the built-in model's MoE blocks; the model.{sources[0]} model is not "
+            "a mixture of experts, or brings its own: remove model.moe"
+        )
     if sources[0] == "factory":
         return {**fields, **{k: v for k, v in model.items() if v is not None}, "preset": None}
     set_by_hand = [k for k, v in fields.items() if model.get(k) is not None and model[k] != v]
@@ -133,8 +142,14 @@ def _resolve_auto_layout(data: dict) -> dict:
     cluster = ClusterConfig.model_validate(data["cluster"])
     tokenizer = (data.get("data") or {}).get("tokenizer", "byte")
     vocab = TOKENIZER_VOCAB.get(tokenizer)
-    best = plan(model_args(model, vocab or 256), cluster_from_config(cluster), train.global_batch_size,
-                train.seq_len, bf16=data.get("precision") in BF16_COMPUTE, shape=model_shape(model, vocab, tokenizer)).best
+    best = plan(
+        model_args(model, vocab or 256),
+        cluster_from_config(cluster),
+        train.global_batch_size,
+        train.seq_len,
+        bf16=data.get("precision") in BF16_COMPUTE,
+        shape=model_shape(model, vocab, tokenizer),
+    ).best
     if best is None:
         raise ConfigError(
             f"auto found no layout of {cluster.nodes} x {cluster.gpus_per_node} devices "
@@ -155,7 +170,9 @@ def read_config_file(path: str | os.PathLike) -> dict:
     except UnicodeDecodeError:
         raise ConfigError(f"{p}: not a text file (a YAML run config is UTF-8 text)") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{p}: not valid YAML{_where(exc)}: {getattr(exc, 'problem', None) or exc}") from None
+        raise ConfigError(
+            f"{p}: not valid YAML{_where(exc)}: {getattr(exc, 'problem', None) or exc}"
+        ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: top level must be a mapping of sections (model:, parallel:, ...)")
     if not data:  # a run of all defaults is rarely meant; `raymp config` prints them

@@ -27,8 +27,9 @@ class MoEConfig(Strict):
     top_k: int = Field(2, ge=1, description="experts each token is sent to")
     expert_ffn_dim: int = Field(128, gt=0, description="hidden width of one expert (SwiGLU)")
     n_shared_experts: int = Field(0, ge=0, description="experts every token also runs through")
-    score: Literal["softmax", "sigmoid"] = Field("softmax", description="router score: softmax (Mixtral, Qwen) "
-                                                 "or sigmoid (DeepSeek-V3)")
+    score: Literal["softmax", "sigmoid"] = Field(
+        "softmax", description="router score: softmax (Mixtral, Qwen) " "or sigmoid (DeepSeek-V3)"
+    )
     normalize_topk: bool = Field(True, description="rescale the k chosen experts' weights to sum to 1")
     aux_loss_coef: float = Field(0.0, ge=0, description="sequence-wise load-balancing loss weight; 0: off")
     bias_update_rate: float = Field(0.0, ge=0, description="auxiliary-loss-free balancing (DeepSeek-V3): the "
@@ -38,8 +39,10 @@ class MoEConfig(Strict):
     @model_validator(mode="after")
     def _check(self) -> "MoEConfig":
         if self.top_k > self.n_experts:
-            raise ValueError(f"model.moe.top_k ({self.top_k}) exceeds model.moe.n_experts ({self.n_experts}); "
-                             "lower top_k or add experts")
+            raise ValueError(
+                f"model.moe.top_k ({self.top_k}) exceeds model.moe.n_experts ({self.n_experts}); "
+                "lower top_k or add experts"
+            )
         return self
 
 
@@ -52,7 +55,9 @@ class ModelConfig(Strict):
 
     preset: str | None = "tiny"
     hf: str | None = Field(None, description="local Hugging Face model directory (config.json + safetensors)")
-    hf_config: dict[str, Any] | None = Field(None, description="a transformers config (with model_type): random init")
+    hf_config: dict[str, Any] | None = Field(
+        None, description="a transformers config (with model_type): random init"
+    )
     factory: str | None = Field(None, description="'package.module:function' returning an nn.Module")
     factory_tp_plan: str | None = Field(
         None, description="'package.module:function' giving the factory model's tensor-parallel plan")
@@ -67,8 +72,11 @@ class ModelConfig(Strict):
     norm_eps: float | None = Field(None, gt=0)
     tie_embeddings: bool | None = None
     init_std: float | None = Field(None, gt=0)
-    moe: MoEConfig | None = Field(None, description="mixture-of-experts blocks (built-in model); None: dense, "
-                                  "or the preset's (a Hugging Face MoE family's are read off its config)")
+    moe: MoEConfig | None = Field(
+        None,
+        description="mixture-of-experts blocks (built-in model); None: dense, "
+        "or the preset's (a Hugging Face MoE family's are read off its config)",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -117,8 +125,10 @@ class ModelConfig(Strict):
     @model_validator(mode="after")
     def _check_shape(self) -> "ModelConfig":
         if self.moe is not None and self.factory is not None:
-            raise ValueError("model.moe builds the built-in model's MoE blocks; a model.factory module brings "
-                             "its own: remove model.moe")
+            raise ValueError(
+                "model.moe builds the built-in model's MoE blocks; a model.factory module brings "
+                "its own: remove model.moe"
+            )
         if self.moe is not None and self.moe.dense_layers >= self.n_layers:
             raise ValueError(f"model.moe.dense_layers ({self.moe.dense_layers}) leaves none of the "
                              f"{self.n_layers} layers an MoE block; lower it below model.n_layers")
@@ -136,7 +146,6 @@ class ModelConfig(Strict):
                 f"({self.n_kv_heads}) for grouped-query attention"
             )
         return self
-
 
 
 _MODEL_SHAPE_FIELDS = [

@@ -48,12 +48,15 @@ def check_run(cfg) -> None:
             f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
             "lower train.seq_len or raise model.max_seq_len"
         )
-    if cfg.elastic.keep_survivors and not survivors_keep_state(p.zero, p.layout.state_replicas, cfg.elastic.peer_copy_every):
+    if cfg.elastic.keep_survivors and not survivors_keep_state(
+        p.zero, p.layout.state_replicas, cfg.elastic.peer_copy_every
+    ):
         raise ValueError(
             f"elastic.keep_survivors needs a second whole copy of the training state, but zero={p.zero} shards "
             "it over every dp rank, so a loss leaves none whole; set parallel.zero=0 (each dp replica holds "
             "it), HSDP with parallel.dp_replicate >= 2 (each group holds it), elastic.peer_copy_every (the "
-            "survivors reload the peer copy), or elastic.keep_survivors=false (restart from the checkpoint)")
+            "survivors reload the peer copy), or elastic.keep_survivors=false (restart from the checkpoint)"
+        )
     if cfg.optimizer.cpu_offload and not p.layout.fsdp:
         raise ValueError(
             "optimizer.cpu_offload needs parallel.zero 2 or 3 (FSDP2's offload policy); "
@@ -71,8 +74,10 @@ def check_run(cfg) -> None:
     if cfg.precision == "fp8":
         _check_float8(cfg)
     elif cfg.float8 != type(cfg.float8)():
-        raise ValueError(f"float8 settings apply to precision fp8 only; set precision=fp8 or remove the float8 "
-                         f"section (precision is {cfg.precision})")
+        raise ValueError(
+            f"float8 settings apply to precision fp8 only; set precision=fp8 or remove the float8 "
+            f"section (precision is {cfg.precision})"
+        )
     if cfg.data.document_mask and m.factory is not None:
         raise ValueError(
             "data.document_mask needs the built-in model or a Hugging Face one (raymp hands their "
@@ -80,8 +85,10 @@ def check_run(cfg) -> None:
             "data.document_mask=false"
         )
     if t.on_nonfinite == "restore" and not cfg.checkpoint.every:
-        raise ValueError("train.on_nonfinite=restore goes back to the newest checkpoint, and checkpoint.every=0 "
-                         "writes none (the run would start over): set checkpoint.every, or train.on_nonfinite=skip")
+        raise ValueError(
+            "train.on_nonfinite=restore goes back to the newest checkpoint, and checkpoint.every=0 "
+            "writes none (the run would start over): set checkpoint.every, or train.on_nonfinite=skip"
+        )
     if t.compile and (reason := compile_unsupported(cfg)):
         raise ValueError(reason)
     tokenizer = cfg.data.tokenizer
@@ -112,8 +119,10 @@ def _check_float8(cfg) -> None:
     """precision fp8: where torchao's float8 training runs as raymp applies it."""
     p, f8 = cfg.parallel, cfg.float8
     if cfg.resources.device != "cuda":
-        raise ValueError("precision fp8 needs CUDA GPUs of compute capability 8.9 or newer (H100, L40S, ...): "
-                         "set resources.device=cuda on such GPUs, or precision=bf16")
+        raise ValueError(
+            "precision fp8 needs CUDA GPUs of compute capability 8.9 or newer (H100, L40S, ...): "
+            "set resources.device=cuda on such GPUs, or precision=bf16"
+        )
     if cfg.model.hf is not None or cfg.model.hf_config is not None or cfg.model.factory is not None:
         raise ValueError("precision fp8 is applied to the built-in model's transformer blocks only; use a "
                          "model.preset, or precision=bf16 for a Hugging Face or factory model")
@@ -124,8 +133,10 @@ def _check_float8(cfg) -> None:
         raise ValueError("float8.fsdp_all_gather needs float8.recipe=tensorwise (torchao gathers float8 "
                          "weights with one scale per tensor); set one or the other")
     if f8.fsdp_all_gather and not runs_on_fsdp(p.zero):
-        raise ValueError(f"float8.fsdp_all_gather gathers ZeRO 2/3 weights, but parallel.zero={p.zero} gathers "
-                         "none; set parallel.zero=2 or 3, or float8.fsdp_all_gather=false")
+        raise ValueError(
+            f"float8.fsdp_all_gather gathers ZeRO 2/3 weights, but parallel.zero={p.zero} gathers "
+            "none; set parallel.zero=2 or 3, or float8.fsdp_all_gather=false"
+        )
 
 
 def compile_unsupported(cfg) -> str | None:

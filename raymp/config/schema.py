@@ -27,9 +27,13 @@ class ParallelConfig(Strict):
     pp: int = Field(1, ge=1)
     tp: int = Field(1, ge=1)
     zero: Literal[0, 1, 2, 3] = 0
-    dp_replicate: int = Field(1, ge=1, description="HSDP: dp = dp_replicate x dp_shard; ZeRO 2/3 shards model "
-                              "state inside each of dp_replicate groups, which replicate it (shard inside a node, "
-                              "replicate across nodes)")
+    dp_replicate: int = Field(
+        1,
+        ge=1,
+        description="HSDP: dp = dp_replicate x dp_shard; ZeRO 2/3 shards model "
+        "state inside each of dp_replicate groups, which replicate it (shard inside a node, "
+        "replicate across nodes)",
+    )
     cp: int = Field(1, ge=1, description="context parallel: each sequence split over cp ranks, attention "
                     "by all-to-all over heads (Ulysses); the built-in model")
     micro_batch_size: int = Field(1, ge=1, description="sequences per micro-batch per replica")
@@ -81,12 +85,18 @@ class TrainingConfig(Strict):
     log_every: int = Field(10, ge=1)
     eval_every: int = Field(0, ge=0, description="steps between validation losses; 0: only at the end")
     eval_batches: int = Field(1, ge=0, description="global batches of held-out data per validation; 0: none")
-    dispatch_ahead: bool = Field(True, description="fit() queues step k+1 on the actors before it reads step "
-                                 "k's results (not across a save, a validation or a step event), so the actors "
-                                 "never wait for the driver")
-    compile: bool | None = Field(None, description="torch.compile each transformer block; the first step pays "
-                                 "for compiling (reported in the summary). None: on for CUDA devices where the "
-                                 "layout supports it, off on CPU (compiling costs more than it saves there)")
+    dispatch_ahead: bool = Field(
+        True,
+        description="fit() queues step k+1 on the actors before it reads step "
+        "k's results (not across a save, a validation or a step event), so the actors "
+        "never wait for the driver",
+    )
+    compile: bool | None = Field(
+        None,
+        description="torch.compile each transformer block; the first step pays "
+        "for compiling (reported in the summary). None: on for CUDA devices where the "
+        "layout supports it, off on CPU (compiling costs more than it saves there)",
+    )
     memory_every: int = Field(
         100, ge=0, description="steps between the ranks' memory measurements (saved activations, model-state "
         "bytes); also measured on each set-up's first step and the run's last; 0: only those")
@@ -147,7 +157,10 @@ class TrackingConfig(Strict):
         None, description="continue this MLflow run (a run killed outright); a resumed checkpoint "
         "continues its own run without it")
     peak_tflops_per_device: float | None = Field(
-        None, gt=0, description="dense peak for the MFU metric; None: cluster.gpu_tflops on GPUs, no MFU on CPU")
+        None,
+        gt=0,
+        description="dense peak for the MFU metric; None: cluster.gpu_tflops on GPUs, no MFU on CPU",
+    )
 
 
 class ResourcesConfig(Strict):
@@ -164,9 +177,11 @@ class ResourcesConfig(Strict):
         600, gt=0, description="for the ranks to build their model part and load a checkpoint")
     collective_timeout_s: float = Field(300, gt=0, description="torch process-group timeout")
     return_freed_memory: bool = Field(
-        False, description="fix glibc's mmap threshold at 1 MiB in each actor, so freed buffers of 1 MiB and more "
+        False,
+        description="fix glibc's mmap threshold at 1 MiB in each actor, so freed buffers of 1 MiB and more "
         "go back to the OS at once: a lower peak RSS under ZeRO-3 (gather buffers), slower steps everywhere "
-        "(pages faulted in anew each step); Linux/glibc only, and it stays on in an actor once set")
+        "(pages faulted in anew each step); Linux/glibc only, and it stays on in an actor once set",
+    )
 
 
 class CheckpointConfig(Strict):
@@ -201,20 +216,30 @@ class ElasticConfig(Strict):
         None, gt=0, description="a step taking longer counts as a failure (a hung rank); None: the automatic "
         "deadline (hang_factor, hang_floor_s)")
     hang_factor: float = Field(
-        10, ge=0, description="without step_timeout_s, a step counts as hung (a stopped process, a deadlocked "
+        10,
+        ge=0,
+        description="without step_timeout_s, a step counts as hung (a stopped process, a deadlocked "
         "collective) past this many times the slowest step of the launch so far, its first step (compiling, "
-        "warming up) not counted, and at least hang_floor_s; 0: no automatic deadline")
-    hang_floor_s: float = Field(60, gt=0, description="the automatic step deadline is never shorter than this")
+        "warming up) not counted, and at least hang_floor_s; 0: no automatic deadline",
+    )
+    hang_floor_s: float = Field(
+        60, gt=0, description="the automatic step deadline is never shorter than this"
+    )
     poll_s: float = Field(1.0, gt=0, description="how often to look for resources while waiting")
     keep_survivors: bool = Field(
-        False, description="after a loss, the surviving actors keep their state in memory and go on "
+        False,
+        description="after a loss, the surviving actors keep their state in memory and go on "
         "from the failed step (no restart, no checkpoint read, no step redone) where whole copies of the "
         "state survive; needs parallel.zero=0 (each dp replica holds it), HSDP (parallel.dp_replicate >= 2) "
-        "or elastic.peer_copy_every (then survivors with no whole copy reload the peer copy, in their processes)")
+        "or elastic.peer_copy_every (then survivors with no whole copy reload the peer copy, in their processes)",
+    )
     peer_copy_every: int = Field(
-        0, ge=0, description="every this many steps, each rank's part of the state is kept in Ray's object "
+        0,
+        ge=0,
+        description="every this many steps, each rank's part of the state is kept in Ray's object "
         "store on its node and on another; a restart loads it instead of the disk checkpoint when it is as new "
-        "and a copy of every part survives (redundancy for what one rank alone holds: ZeRO shards, stages); 0: off")
+        "and a copy of every part survives (redundancy for what one rank alone holds: ZeRO shards, stages); 0: off",
+    )
     survivor_grace_s: float = Field(
         10, gt=0, description="keep_survivors: once one survivor has ended its failed step, how long "
         "the others get; one still waiting then (gloo does not always wake a rank whose peer is gone) "
@@ -231,18 +256,24 @@ class ClusterConfig(Strict):
     intra_node_gbps: float = Field(450.0, gt=0, description="GB/s per device inside a node")
     inter_node_gbps: float = Field(50.0, gt=0, description="GB/s per device across nodes")
     cost_factors: dict[str, float] = Field(
-        default_factory=dict, description="measured cost of a mechanism's communication over its "
-        f"bytes-over-bandwidth price ({', '.join(COST_TERMS)}; 1: as priced), as the planner benchmark measures it")
+        default_factory=dict,
+        description="measured cost of a mechanism's communication over its "
+        f"bytes-over-bandwidth price ({', '.join(COST_TERMS)}; 1: as priced), as the planner benchmark measures it",
+    )
 
     @field_validator("cost_factors")
     @classmethod
     def _known_mechanisms(cls, factors: dict[str, float]) -> dict[str, float]:
         unknown = sorted(set(factors) - set(COST_TERMS))
         if unknown:
-            raise ValueError(f"unknown mechanism {', '.join(unknown)}; the factors are {', '.join(COST_TERMS)}")
+            raise ValueError(
+                f"unknown mechanism {', '.join(unknown)}; the factors are {', '.join(COST_TERMS)}"
+            )
         negative = sorted(k for k, v in factors.items() if v < 0)
         if negative:
-            raise ValueError(f"{', '.join(negative)} is below 0; a factor is a cost ratio (0: free, 1: as priced)")
+            raise ValueError(
+                f"{', '.join(negative)} is below 0; a factor is a cost ratio (0: free, 1: as priced)"
+            )
         return factors
 
 
@@ -266,8 +297,11 @@ class RunConfig(Strict):
 
     name: str = "raymp"
     seed: int = 1234
-    output_dir: str = Field("runs", description="the run's storage: a path every node reaches, or a URI "
-                            "(s3://, gs://, ...); run directories, checkpoints and the prepared data go under it")
+    output_dir: str = Field(
+        "runs",
+        description="the run's storage: a path every node reaches, or a URI "
+        "(s3://, gs://, ...); run directories, checkpoints and the prepared data go under it",
+    )
     precision: Literal["fp32", "bf16", "fp8", "fp16"] = "fp32"
     float8: Float8Config = Float8Config()
     model: ModelConfig = ModelConfig()

@@ -163,10 +163,16 @@ def _tokenized_blocks(source: Source, tokenizer: str, text_field: str, skip_bad:
     ordered_context()  # the packed order must not depend on which task finishes first
     node = local_node_if_local_path(source.name)
     ds = ray.data.read_binary_files(  # local files are read on this node, a URI anywhere
-        list(source.paths), filesystem=source.filesystem, include_paths=True,
-        override_num_blocks=len(source.paths), **on_node(node), **({"num_cpus": 0} if offers_no_cpu(node) else {}),
+        list(source.paths),
+        filesystem=source.filesystem,
+        include_paths=True,
+        override_num_blocks=len(source.paths),
+        **on_node(node),
+        **({"num_cpus": 0} if offers_no_cpu(node) else {}),
     )
-    ds = ds.map_batches(_parse_batch, batch_size=1, fn_kwargs={"text_field": text_field, "skip_bad": skip_bad})
+    ds = ds.map_batches(
+        _parse_batch, batch_size=1, fn_kwargs={"text_field": text_field, "skip_bad": skip_bad}
+    )
     # One big file is one block after parsing; split it so its documents tokenize in parallel.
     ds = ds.repartition(target_num_rows_per_block=docs_per_block)
     ds = ds.map_batches(_tokenize_batch, batch_size=docs_per_block, fn_kwargs={"tokenizer": tokenizer})

@@ -46,7 +46,11 @@ class GPT2Tokenizer:
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte <-> printable-character map used in encoder.json and vocab.bpe."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):

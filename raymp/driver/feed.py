@@ -7,7 +7,12 @@ import ray
 
 from raymp.config import ConfigError, RunConfig
 from raymp.data import DataPosition, TrainOrder, load_dataset, replica_slice
-from raymp.data.ray_context import local_node_if_local_path, node_cpus, offers_no_cpu, place_ray_data_services_here
+from raymp.data.ray_context import (
+    local_node_if_local_path,
+    node_cpus,
+    offers_no_cpu,
+    place_ray_data_services_here,
+)
 from raymp.data.stream import StreamSpec
 from raymp.layout import Layout
 
@@ -15,7 +20,9 @@ from raymp.layout import Layout
 class DataFeed:
     def __init__(self, cfg: RunConfig, log):
         self.data = load_dataset(cfg.data, cfg.train.seq_len, log=log)
-        self.order = TrainOrder(self.data.num_samples, cfg.data.val_fraction, cfg.seed, cfg.train.global_batch_size)
+        self.order = TrainOrder(
+            self.data.num_samples, cfg.data.val_fraction, cfg.seed, cfg.train.global_batch_size
+        )
         self.seed = cfg.seed
         self.start: DataPosition | None = None  # where the streams started
         self.next_step = 0
@@ -46,7 +53,9 @@ class DataFeed:
                              "raise train.steps to train on")
         return position
 
-    def start_streams(self, group, layout: Layout, cfg: RunConfig, start: DataPosition, wait: bool = True) -> None:
+    def start_streams(
+        self, group, layout: Layout, cfg: RunConfig, start: DataPosition, wait: bool = True
+    ) -> None:
         """One Ray Data stream per first-stage rank (each TP rank of the first stage reads its
         replica's stream), beginning at `start`. `wait`: return once every first batch is in
         (else wait_streams() does: the ranks' next calls run while Ray Data starts)."""
@@ -70,8 +79,18 @@ class DataFeed:
             c = layout.coords(rank)
             spec = None
             if c["pp"] == 0 and steps > 0:
-                spec = StreamSpec(self.data.root, self.data.num_samples, self.data.seq_len, cfg.data.val_fraction,
-                                  cfg.seed, cfg.train.global_batch_size, layout.dp, c["dp"], start, node)
+                spec = StreamSpec(
+                    self.data.root,
+                    self.data.num_samples,
+                    self.data.seq_len,
+                    cfg.data.val_fraction,
+                    cfg.seed,
+                    cfg.train.global_batch_size,
+                    layout.dp,
+                    c["dp"],
+                    start,
+                    node,
+                )
             args.append((spec, steps, cpus, cfg.data.prefetch_batches, wait))
         group.call_per_rank("start_stream", args)
         self.start, self.next_step = start, start.step
@@ -90,7 +109,9 @@ class DataFeed:
                 f"fewer than one global batch ({t.global_batch_size}); raise data.val_fraction or set "
                 "train.eval_batches=0")
         self.eval_batches = n
-        batches = [self.order.val_ids[i * t.global_batch_size:(i + 1) * t.global_batch_size] for i in range(n)]
+        batches = [
+            self.order.val_ids[i * t.global_batch_size : (i + 1) * t.global_batch_size] for i in range(n)
+        ]
         args = []
         for rank in range(layout.world_size):
             c = layout.coords(rank)
@@ -103,13 +124,20 @@ class DataFeed:
     def eval_due(self, step: int, t) -> bool:
         """Whether a validation follows step `step` (0-based): every train.eval_every steps and
         after the last, when there are held-out batches."""
-        return bool(self.eval_batches) and ((t.eval_every and (step + 1) % t.eval_every == 0) or step + 1 == t.steps)
+        return bool(self.eval_batches) and (
+            (t.eval_every and (step + 1) % t.eval_every == 0) or step + 1 == t.steps
+        )
 
     def params(self) -> dict:
         """The dataset as MLflow params."""
         m = self.data.manifest
-        params = {"data.root": self.data.root, "data.samples": m["samples"], "data.tokens": m["tokens"],
-                  "data.train_samples": len(self.order.train_ids), "data.val_samples": len(self.order.val_ids)}
+        params = {
+            "data.root": self.data.root,
+            "data.samples": m["samples"],
+            "data.tokens": m["tokens"],
+            "data.train_samples": len(self.order.train_ids),
+            "data.val_samples": len(self.order.val_ids),
+        }
         params.update({f"data.skipped.{reason}": n for reason, n in m["skipped"].items()})
         return params
 

@@ -47,9 +47,11 @@ class NonFinitePolicy:
         what = f"step {step}: the gradient norm is {metrics['grad_norm']} (loss {metrics['loss']:.4g})"
         if self.on_nonfinite == "restore":
             if step in self.restored_for:
-                raise NonFiniteError(f"{what} again after going back to a checkpoint for it: no transient fault, "
-                                     "the run stops with its last good state; lower optimizer.lr, or set "
-                                     "train.on_nonfinite=skip to pass the batch over")
+                raise NonFiniteError(
+                    f"{what} again after going back to a checkpoint for it: no transient fault, "
+                    "the run stops with its last good state; lower optimizer.lr, or set "
+                    "train.on_nonfinite=skip to pass the batch over"
+                )
             self.restored_for.add(step)
             self.warn(f"{what}; its update was not applied, the run goes back to its newest checkpoint "
                       "(train.on_nonfinite=restore)")
@@ -74,7 +76,11 @@ class StepDeadline:
     sets the first deadline, and every step from the third on has one, with the shipped defaults."""
 
     def __init__(self, elastic):
-        self.fixed, self.factor, self.floor = elastic.step_timeout_s, elastic.hang_factor, elastic.hang_floor_s
+        self.fixed, self.factor, self.floor = (
+            elastic.step_timeout_s,
+            elastic.hang_factor,
+            elastic.hang_floor_s,
+        )
         self.new_launch()
 
     def new_launch(self) -> None:
@@ -94,8 +100,10 @@ class StepDeadline:
         seconds, knob = self._step_limit()
         if seconds is None or writes_checkpoint_s is None:
             return seconds, knob
-        return seconds + writes_checkpoint_s, (f"{knob}, plus checkpoint.write_timeout_s={writes_checkpoint_s:g} "
-                                               "for the checkpoint the step writes")
+        return seconds + writes_checkpoint_s, (
+            f"{knob}, plus checkpoint.write_timeout_s={writes_checkpoint_s:g} "
+            "for the checkpoint the step writes"
+        )
 
     def _step_limit(self) -> tuple[float | None, str]:
         if self.fixed is not None:
@@ -104,5 +112,7 @@ class StepDeadline:
         if not self.factor or slowest is None:
             return None, "elastic.step_timeout_s"
         seconds = max(self.floor, self.factor * slowest)
-        return seconds, (f"the automatic step deadline, {seconds:.0f}s: elastic.hang_factor={self.factor:g} x the "
-                         f"slowest step so far ({slowest:.2f}s), at least elastic.hang_floor_s={self.floor:g}")
+        return seconds, (
+            f"the automatic step deadline, {seconds:.0f}s: elastic.hang_factor={self.factor:g} x the "
+            f"slowest step so far ({slowest:.2f}s), at least elastic.hang_floor_s={self.floor:g}"
+        )

@@ -78,9 +78,17 @@ class Launcher:
                                  f"layout needs dp*cp*pp*tp = {lay.world_size}")
             self.shared_group.check_tp_groups_share_nodes(lay.tp)
             return self.shared_group
-        return ActorGroup(lay.world_size, self.device, r.cpus_per_actor, r.placement_timeout_s,
-                          r.collective_timeout_s, tp_size=lay.tp, rendezvous_timeout_s=r.rendezvous_timeout_s,
-                          on_event=self.on_event, **({"worker_cls": self.worker_cls} if self.worker_cls else {}))
+        return ActorGroup(
+            lay.world_size,
+            self.device,
+            r.cpus_per_actor,
+            r.placement_timeout_s,
+            r.collective_timeout_s,
+            tp_size=lay.tp,
+            rendezvous_timeout_s=r.rendezvous_timeout_s,
+            on_event=self.on_event,
+            **({"worker_cls": self.worker_cls} if self.worker_cls else {}),
+        )
 
     def launch(self, cfg: RunConfig, position: DataPosition | dict | None, group: ActorGroup | None = None,
                kept: bool = False, joined: dict[int, int] | None = None) -> Launched:
@@ -93,8 +101,9 @@ class Launcher:
         feed = self.feed
         vocab = feed.data.vocab_size
         # The layout against the tokenizer's real vocabulary (config validation may not have known it).
-        cfg.parallel.layout.check(model_shape(cfg.model, vocab, feed.data.tokenizer), cfg.train.global_batch_size,
-                                  cfg.train.seq_len)
+        cfg.parallel.layout.check(
+            model_shape(cfg.model, vocab, feed.data.tokenizer), cfg.train.global_batch_size, cfg.train.seq_len
+        )
         cfg = with_stage_split(cfg, vocab)
         lay, r = cfg.parallel.layout, cfg.resources
         memory = estimate(model_args(cfg.model, vocab), lay, cfg.train.global_batch_size, cfg.train.seq_len,
@@ -106,8 +115,15 @@ class Launcher:
 
         def set_up():
             # The validated config itself: the ranks do not validate it again.
-            return group.call("setup", cfg, vocab, document_eot(cfg, feed.data), kept, timeout_s=r.setup_timeout_s,
-                              knob=SETUP_KNOB)
+            return group.call(
+                "setup",
+                cfg,
+                vocab,
+                document_eot(cfg, feed.data),
+                kept,
+                timeout_s=r.setup_timeout_s,
+                knob=SETUP_KNOB,
+            )
 
         restored = None
         if kept:

@@ -34,7 +34,9 @@ def step_metrics(step: int, reports: list[RankReport], layout: Layout, cfg: RunC
         "data_wait_s": data_wait,
         "data_wait_fraction": data_wait / step_time,
         # The global batch as the replicas read it (tp rank 0 of each), in replica order.
-        "sample_ids": np.concatenate([reports[layout.rank_of(dp=d, pp=0, tp=0)].sample_ids for d in range(layout.dp)]),
+        "sample_ids": np.concatenate(
+            [reports[layout.rank_of(dp=d, pp=0, tp=0)].sample_ids for d in range(layout.dp)]
+        ),
         "peak_mem_bytes_max": max(r.peak_mem_bytes for r in reports),
         "memory_measured_bytes_max": max(r.measured_bytes for r in reports),
         "memory_step": reports[0].memory_step,  # the step those bytes were measured on (train.memory_every)
@@ -74,8 +76,9 @@ def pipeline_metrics(reports: list[RankReport], layout: Layout, global_batch: in
     stats = [bubble_stats(stage_events(reports, layout, d)) for d in range(layout.dp)]
     return {
         "bubble_fraction": sum(s["bubble_fraction"] for s in stats) / len(stats),
-        "bubble_fraction_theory": theoretical_bubble(layout.schedule, layout.pp, layout.micro_batches(global_batch),
-                                                     layout.stages_per_rank),
+        "bubble_fraction_theory": theoretical_bubble(
+            layout.schedule, layout.pp, layout.micro_batches(global_batch), layout.stages_per_rank
+        ),
         "stage_busy_s": stats[0]["busy_s"],
         "stage_idle_s": stats[0]["idle_s"],
         "activation_peak_bytes_max": max(r.activation_peak_bytes for r in reports),

@@ -24,17 +24,22 @@ def check_destinations(cfg: RunConfig) -> None:
                 f"{field} {value!r} is inside Ray's copy of the job's working directory ({Path.cwd()}), which Ray "
                 f"deletes after the job: the run's results (checkpoints, the MLflow database, the prepared data) "
                 f"would be lost; set {field} to durable storage, e.g. --set {field}=/mnt/shared/runs (a path "
-                "every node reaches) or an s3:// / gs:// URI")
+                "every node reaches) or an s3:// / gs:// URI"
+            )
     try:
         storage.check_writable(cfg.output_dir)
     except Exception as exc:  # OSError locally; each object store raises its own kind
-        raise ConfigError(f"output_dir {cfg.output_dir} is not writable ({getattr(exc, 'strerror', None) or exc}); "
-                          "set output_dir to a directory this user can write, or storage these credentials "
-                          "reach") from None
+        raise ConfigError(
+            f"output_dir {cfg.output_dir} is not writable ({getattr(exc, 'strerror', None) or exc}); "
+            "set output_dir to a directory this user can write, or storage these credentials "
+            "reach"
+        ) from None
     fs, cache = storage.fsspec_fs(cfg.data.cache_dir)
     if fs.exists(cache) and not fs.isdir(cache):
-        raise ConfigError(f"data.cache_dir {cfg.data.cache_dir} is a file, not a directory; set data.cache_dir to "
-                          "a directory (it is made if missing), or move the file away")
+        raise ConfigError(
+            f"data.cache_dir {cfg.data.cache_dir} is a file, not a directory; set data.cache_dir to "
+            "a directory (it is made if missing), or move the file away"
+        )
     if cfg.checkpoint.every and cfg.checkpoint.dir is not None:  # the run's own dir is checked at its lineage
         CheckpointStore(cfg.checkpoint.dir, cfg.checkpoint.keep_last).probe_writable()
     if cfg.tracking.enabled:
@@ -65,7 +70,9 @@ def open_lineage(cfg: RunConfig, run_dir: str, log, data_position=None) -> Linea
     none. `log` says what is passed over (damaged, or abandoned by a rewind): whatever the progress
     setting, so the caller's must always print."""
     storage.make_dirs(run_dir)
-    store = CheckpointStore(cfg.checkpoint.dir or storage.join(run_dir, "checkpoints"), cfg.checkpoint.keep_last)
+    store = CheckpointStore(
+        cfg.checkpoint.dir or storage.join(run_dir, "checkpoints"), cfg.checkpoint.keep_last
+    )
     if cfg.checkpoint.every:
         store.probe_writable()  # a read-only dir fails now, not at the first save
     lineage = Lineage.open(store, cfg.checkpoint.resume)
@@ -73,9 +80,11 @@ def open_lineage(cfg: RunConfig, run_dir: str, log, data_position=None) -> Linea
         if entry.problem:
             log(f"checkpoint: step {entry.step} is damaged, passed over: {entry.problem}")
     if lineage.abandoned():
-        log(f"checkpoint: rewound to step {lineage.rewound_from}: the newer checkpoints of the abandoned "
+        log(
+            f"checkpoint: rewound to step {lineage.rewound_from}: the newer checkpoints of the abandoned "
             f"timeline (steps {[c.step for c in lineage.abandoned()]}) are never loaded by this run, and move "
-            "to <checkpoint.dir>/abandoned-<time>/ at its first save")
+            "to <checkpoint.dir>/abandoned-<time>/ at its first save"
+        )
     if lineage.candidates() and data_position is not None:
         raise ValueError("give a data_position or a checkpoint to resume from, not both "
                          "(set checkpoint.resume=never to use the data position)")
@@ -84,9 +93,11 @@ def open_lineage(cfg: RunConfig, run_dir: str, log, data_position=None) -> Linea
 
 def say_resume(resume: Checkpoint, cfg: RunConfig, log) -> None:
     """One line on what a resume restores, and each setting the config changes against it."""
-    log(f"resuming from {resume.path} (step {resume.step}, saved with "
+    log(
+        f"resuming from {resume.path} (step {resume.step}, saved with "
         f"{Layout.from_record(resume.meta['layout']).text()}): weights, optimizer state, LR schedule position "
-        "and data position restored")
+        "and data position restored"
+    )
     for change in config_overrides(resume.meta.get("config", {}), cfg):
         log(f"resume: the config's {change}")
     if resume.step >= cfg.train.steps:

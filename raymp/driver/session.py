@@ -54,8 +54,14 @@ class Session:
         self.setup_info, self.memory_estimate = launched.setup_info, launched.memory_estimate
         self._step_constants = self._per_step_constants()
         c = self.config.checkpoint
-        self.checkpoints = CheckpointCoordinator(self.launcher.lineage, c.every, c.async_save, self.say,
-                                                 c.write_timeout_s, on_commit=lambda step: self.tracking.on_commit(step))
+        self.checkpoints = CheckpointCoordinator(
+            self.launcher.lineage,
+            c.every,
+            c.async_save,
+            self.say,
+            c.write_timeout_s,
+            on_commit=lambda step: self.tracking.on_commit(step),
+        )
         return launched.restored
 
     # -- calls on every rank -----------------------------------------------------------------
@@ -64,7 +70,9 @@ class Session:
         """What every step's metrics divide by, fixed for a launch: the model FLOPs of a step, the
         device's peak, the planner's largest per-rank estimate."""
         cfg, t = self.config, self.config.train
-        flops = step_flops(model_args(cfg.model, self.launcher.feed.data.vocab_size), t.global_batch_size, t.seq_len)
+        flops = step_flops(
+            model_args(cfg.model, self.launcher.feed.data.vocab_size), t.global_batch_size, t.seq_len
+        )
         estimate = max(e.model_state_bytes + e.activation_bytes for e in self.memory_estimate)
         return flops, peak_tflops(cfg, self.launcher.device), estimate
 
@@ -111,7 +119,9 @@ class Session:
         return sum(losses := [x for x in self.group.call("evaluate") if x is not None]) / len(losses)
 
     def state_dict(self) -> dict:
-        return {k: v for part in self.group.call("full_state_dict") if part is not None for k, v in part.items()}
+        return {
+            k: v for part in self.group.call("full_state_dict") if part is not None for k, v in part.items()
+        }
 
     def layout_rows(self) -> list[dict]:
         lay = self.config.parallel.layout
@@ -173,7 +183,9 @@ class Session:
         try:
             group.shrink_to(ranks, r.collective_timeout_s, r.rendezvous_timeout_s)
             self.config = config
-            restored = self.launch(self.launcher.feed.position() if kept else self.initial_position, group, kept)
+            restored = self.launch(
+                self.launcher.feed.position() if kept else self.initial_position, group, kept
+            )
             return restored, [n["pid"] for n in group.nodes]
         except BaseException:
             group.shutdown()  # a fault while re-forming: the restart path starts from nothing
@@ -198,8 +210,12 @@ class Session:
         per, before = lay.ranks_per_copy, lay.world_size
         try:
             held = set(group.call("keep_state", timeout_s=r.collective_timeout_s, knob=COLLECTIVE_KNOB))
-            if held != {self.global_step}:  # never: every rank ran every step; a join must not resume elsewhere
-                raise RuntimeError(f"ranks hold states after steps {sorted(held)}, the run is at {self.global_step}")
+            if held != {
+                self.global_step
+            }:  # never: every rank ran every step; a join must not resume elsewhere
+                raise RuntimeError(
+                    f"ranks hold states after steps {sorted(held)}, the run is at {self.global_step}"
+                )
             group.grow((replicas - lay.state_replicas) * per, r.collective_timeout_s, r.rendezvous_timeout_s)
             self.config = with_replicas(self.config, replicas)
             self.launch(self.launcher.feed.position(), group, kept=True,
@@ -247,7 +263,9 @@ class Session:
     def load(self, checkpoint: Checkpoint, say) -> None:
         """Every rank restored from `checkpoint` (saved under any layout), the streams restarted
         at its data position."""
-        restore_newest_intact(self.group, [checkpoint], lambda: None, say, self.config.resources.setup_timeout_s)
+        restore_newest_intact(
+            self.group, [checkpoint], lambda: None, say, self.config.resources.setup_timeout_s
+        )
         self.start_streams(checkpoint.data_position)
 
     def start_streams(self, position) -> None:
@@ -287,8 +305,10 @@ class Session:
             return
         if self.checkpoints.pending is None:
             if (ordered := self.checkpoints.ordered) is not None:
-                self.say(f"stopped before step {ordered.steps_done} came back: its checkpoint, started by the "
-                         f"ranks with it, is not kept; {self.checkpoints.latest_text()}")
+                self.say(
+                    f"stopped before step {ordered.steps_done} came back: its checkpoint, started by the "
+                    f"ranks with it, is not kept; {self.checkpoints.latest_text()}"
+                )
             return
         step = self.checkpoints.pending.step
         with stop_signals_held(self.say, f"committing the checkpoint of step {step}"):

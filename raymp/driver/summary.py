@@ -18,11 +18,15 @@ def describe(run_name: str, cfg: RunConfig, num_params: int, manifest: dict, dev
     lay, t = cfg.parallel.layout, cfg.train
     pipeline = ""
     if lay.pp > 1:
-        pipeline = f"; pipeline {lay.schedule}, {lay.num_stages} stages, layers {[len(s) for s in stage_layers]}"
+        pipeline = (
+            f"; pipeline {lay.schedule}, {lay.num_stages} stages, layers {[len(s) for s in stage_layers]}"
+        )
     copies = ""
     if every := cfg.elastic.peer_copy_every:
-        copies = (f"\npeer copies every {every} steps (elastic.peer_copy_every): up to "
-                  f"{max(peer_copy_bytes(e) for e in estimates) / 2**20:,.1f} MiB of Ray's object store per rank")
+        copies = (
+            f"\npeer copies every {every} steps (elastic.peer_copy_every): up to "
+            f"{max(peer_copy_bytes(e) for e in estimates) / 2**20:,.1f} MiB of Ray's object store per rank"
+        )
     return (
         f"raymp run {run_name}: {num_params / 1e6:.2f}M params, "
         f"data {manifest['source']!r} ({manifest['samples']:,} samples, {manifest['tokenizer']} tokens), "
@@ -60,8 +64,10 @@ def summary(history: list[dict], feed, manifest: dict, tracking, compiled: bool 
         f"median data wait {steady_median(h, 'data_wait_fraction'):.1%} of step time")
     if compiled and len(h) > 1:
         steady = steady_median(h, "step_time_s")
-        lines.append(f"train.compile: the first step took {h[0]['step_time_s']:.1f} s (compiling the blocks), "
-                     f"about {max(0.0, h[0]['step_time_s'] - steady):.1f} s more than a steady step ({steady:.3f} s)")
+        lines.append(
+            f"train.compile: the first step took {h[0]['step_time_s']:.1f} s (compiling the blocks), "
+            f"about {max(0.0, h[0]['step_time_s'] - steady):.1f} s more than a steady step ({steady:.3f} s)"
+        )
     lines.append(
         f"model state + activations per rank: measured {last['memory_measured_bytes_max'] / 2**20:.1f} MiB, "
         f"planner estimate {last['memory_estimate_bytes_max'] / 2**20:.1f} MiB (max over ranks)")

@@ -40,8 +40,15 @@ class RunTracking:
                               f"{cfg.tracking.experiment!r} in {tracker.uri}; check the id (raymp runs)")
         if tracker.resumed:
             # Numbered by the run's events: a run resumed twice keeps both records.
-            tracker.log_event(f"resume-{tracker.events + 1}", {"step": step, "checkpoint": resume.path if resume else None,
-                                         "layout": cfg.parallel.layout.record()}, step)
+            tracker.log_event(
+                f"resume-{tracker.events + 1}",
+                {
+                    "step": step,
+                    "checkpoint": resume.path if resume else None,
+                    "layout": cfg.parallel.layout.record(),
+                },
+                step,
+            )
         else:
             tracker.log_text(yaml.safe_dump(resolved_dict(cfg), sort_keys=False), "config.yaml")
             tracker.log_params(params)
@@ -50,11 +57,24 @@ class RunTracking:
         tracker.log_text(json.dumps(plan, indent=1, default=str), "layout.json")
 
     @classmethod
-    def start(cls, cfg: RunConfig, run_name: str, session, device: str, num_params: int, resume, lineage_id: str,
-              step: int, data_params: dict) -> "RunTracking":
+    def start(
+        cls,
+        cfg: RunConfig,
+        run_name: str,
+        session,
+        device: str,
+        num_params: int,
+        resume,
+        lineage_id: str,
+        step: int,
+        data_params: dict,
+    ) -> "RunTracking":
         """The tracking of a run whose actors were just launched (their layout goes in layout.json)."""
-        plan = {"layout": session.layout_rows(), "memory_estimate": [vars(e) for e in session.memory_estimate],
-                "stage_layers": cfg.parallel.stage_layers}
+        plan = {
+            "layout": session.layout_rows(),
+            "memory_estimate": [vars(e) for e in session.memory_estimate],
+            "stage_layers": cfg.parallel.stage_layers,
+        }
         tags = run_tags(cfg, device, session.group.backend, num_params)
         return cls(cfg, run_name, tags, resume, lineage_id, step, data_params, plan)
 
@@ -73,7 +93,9 @@ class RunTracking:
     def on_step(self, metrics: dict) -> None:
         logged = {name: metrics[k] for k, name in names.PER_STEP.items() if metrics.get(k) is not None}
         logged[names.PEAK_MEM] = metrics["peak_mem_bytes_max"] / 2**20
-        if metrics["memory_step"] == metrics["step"]:  # measured on this step, not carried from an earlier one
+        if (
+            metrics["memory_step"] == metrics["step"]
+        ):  # measured on this step, not carried from an earlier one
             logged[names.MEASURED_MEM] = metrics["memory_measured_bytes_max"] / 2**20
             logged[names.ESTIMATED_MEM] = metrics["memory_estimate_bytes_max"] / 2**20
         for r in metrics["per_rank"]:
@@ -111,7 +133,9 @@ class RunTracking:
                 self.tracker.log_metrics(history[-1]["step"], {
                     names.TOKENS_PER_S_MEDIAN: steady_median(history, "tokens_per_s")}, final=True)
             if latest is not None:
-                self.tracker.set_tags({"raymp.checkpoint": latest.path, "raymp.checkpoint_step": str(latest.step)})
+                self.tracker.set_tags(
+                    {"raymp.checkpoint": latest.path, "raymp.checkpoint_step": str(latest.step)}
+                )
         finally:
             self.tracker.finish(status, complete=complete)  # flushes the metrics first
         if history:

@@ -35,7 +35,9 @@ def capacity(cfg: RunConfig, device: str, reserve_node: str | None, reserve_cpus
     p, r = cfg.parallel, cfg.resources
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     groups, parts = 0, []
-    reserve_on = reserve_node or max(nodes, key=lambda n: n["Resources"].get("CPU", 0), default={}).get("NodeID")
+    reserve_on = reserve_node or max(nodes, key=lambda n: n["Resources"].get("CPU", 0), default={}).get(
+        "NodeID"
+    )
     for n in nodes:
         res = n["Resources"]
         cpus = res.get("CPU", 0) - (reserve_cpus if n["NodeID"] == reserve_on else 0)
@@ -116,5 +118,6 @@ def wait_for_replicas(cfg: RunConfig, target_dp: int, device: str, reserve_node:
         raise ElasticError(
             f"after waiting {waited:.0f}s (elastic.wait_for_resources_s) no replica of {cfg.parallel.layout.replica_text()} "
             f"actors fits the live nodes ({cap.detail or 'none'}); add nodes and "
-            "resume from the last checkpoint (checkpoint.resume=auto), or lower parallel.cp/pp/tp")
+            "resume from the last checkpoint (checkpoint.resume=auto), or lower parallel.cp/pp/tp"
+        )
     return fits, waited, cap

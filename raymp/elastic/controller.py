@@ -24,7 +24,13 @@ import time
 from typing import Callable, Protocol
 
 from raymp.checkpoint.store import Checkpoint, CheckpointError
-from raymp.elastic.capacity import ElasticError, largest_valid_dp, largest_valid_replicas, with_dp, with_replicas
+from raymp.elastic.capacity import (
+    ElasticError,
+    largest_valid_dp,
+    largest_valid_replicas,
+    with_dp,
+    with_replicas,
+)
 from raymp.elastic.peer_copies import PEER_MEMORY
 from raymp.elastic.policy import Action, RecoveryPolicy, ScalingPolicy
 from raymp.elastic.states import (Failed, Joining, KeepingSurvivors, Recovering, ReloadingSurvivors, Resizing,
@@ -48,7 +54,9 @@ class ElasticRun(Protocol):
 
     def keep_survivors(self, lost_rank: int | None) -> dict[int, int]: ...
 
-    def continue_on_ranks(self, ranks: list[int], config, kept: bool) -> tuple[Checkpoint | None, list[int]]: ...
+    def continue_on_ranks(
+        self, ranks: list[int], config, kept: bool
+    ) -> tuple[Checkpoint | None, list[int]]: ...
 
     def joinable_replicas(self) -> int: ...
 
@@ -82,7 +90,9 @@ class ElasticController:
         (RecoveryPolicy.refusal) stops here with the failure, no state changed."""
         refusal = self.policy.refusal()
         if refusal:
-            raise WorkerLostError(f"{lost}; the run stopped ({refusal})", lost.rank, lost.kind, lost.step) from lost
+            raise WorkerLostError(
+                f"{lost}; the run stopped ({refusal})", lost.rank, lost.kind, lost.step
+            ) from lost
         return self._drive(Recovering(lost))
 
     def rewind(self, step: int, why: str) -> RestartEvent:
@@ -155,10 +165,19 @@ class ElasticController:
             except (WorkerLostError, PlacementError) as again:
                 if self.policy.refusal():
                     raise
-                state = Recovering(WorkerLostError(
-                    f"while {state.name}: {again}", getattr(again, "rank", None), getattr(again, "kind", "placement"),
-                    first.step if first else failed_step if failed_step is not None else self.run.global_step),
-                    during=state.name)
+                state = Recovering(
+                    WorkerLostError(
+                        f"while {state.name}: {again}",
+                        getattr(again, "rank", None),
+                        getattr(again, "kind", "placement"),
+                        (
+                            first.step
+                            if first
+                            else failed_step if failed_step is not None else self.run.global_step
+                        ),
+                    ),
+                    during=state.name,
+                )
             except (ElasticError, CheckpointError) as error:
                 state = Failed(error)
         if isinstance(state, Failed):
@@ -182,7 +201,8 @@ class ElasticController:
             error = ElasticError(
                 f"giving up after {len(self.failures)} failures (elastic.max_restarts={self.policy.max_restarts}): "
                 + "; ".join(f["message"] for f in self.failures)
-                + ". Resume later from the last checkpoint with checkpoint.resume=auto")
+                + ". Resume later from the last checkpoint with checkpoint.resume=auto"
+            )
             error.__cause__ = state.failure
             return Failed(error), in_flight
         if in_flight is None:
@@ -193,7 +213,9 @@ class ElasticController:
         self.say(f"elastic: {state.failure}; restarting {count}")
         return Restoring("failure", first), in_flight
 
-    def _keep_survivors(self, state: KeepingSurvivors, first: WorkerLostError, in_flight: tuple | None) -> State:
+    def _keep_survivors(
+        self, state: KeepingSurvivors, first: WorkerLostError, in_flight: tuple | None
+    ) -> State:
         """The live ranks copy their state to host memory; the whole copies of it among them
         re-form the process group and go on from the failed step (nothing redone, nothing read
         from storage). They cannot when they did not all stop at the run's step (a rank was lost
@@ -226,21 +248,41 @@ class ElasticController:
         lay = cfg.parallel.layout
         per = lay.world_size // lay.dp  # the ranks of one dp replica
         ranks = lay.whole_tp_groups(alive)
-        dp = largest_valid_dp(cfg, len(ranks) // per) if cfg.elastic.peer_copy_every and len(ranks) >= per else None
+        dp = (
+            largest_valid_dp(cfg, len(ranks) // per)
+            if cfg.elastic.peer_copy_every and len(ranks) >= per
+            else None
+        )
         if dp is None:
             self.say(f"elastic: the survivors cannot go on alone ({why}); restarting from the lineage")
             return Restoring("failure", first, refused=why)
         self.say(f"elastic: the survivors cannot go on with their state ({why}); they reload it")
         return ReloadingSurvivors(lost, ranks[:dp * per], dp, why)
 
-    def _reload_survivors(self, state: ReloadingSurvivors, first: WorkerLostError, in_flight: tuple | None) -> State:
+    def _reload_survivors(
+        self, state: ReloadingSurvivors, first: WorkerLostError, in_flight: tuple | None
+    ) -> State:
         t0, before = time.monotonic(), self.run.config.parallel.layout.record()
-        restored, pids = self.run.continue_on_ranks(state.ranks, with_dp(self.run.config, state.dp), kept=False)
-        return Running(self._restart_event(
-            "failure", "survivors reloaded", first, in_flight, before, resumed_step=restored.step if restored else 0,
-            checkpoint=restored, since=t0, pids=pids))
+        restored, pids = self.run.continue_on_ranks(
+            state.ranks, with_dp(self.run.config, state.dp), kept=False
+        )
+        return Running(
+            self._restart_event(
+                "failure",
+                "survivors reloaded",
+                first,
+                in_flight,
+                before,
+                resumed_step=restored.step if restored else 0,
+                checkpoint=restored,
+                since=t0,
+                pids=pids,
+            )
+        )
 
-    def _relaunch(self, state: Restoring | Resizing, first: WorkerLostError | None, in_flight: tuple | None) -> State:
+    def _relaunch(
+        self, state: Restoring | Resizing, first: WorkerLostError | None, in_flight: tuple | None
+    ) -> State:
         """Tear the group down and launch `state.dp` replicas (None: what the cluster holds now)
         from the lineage's newest intact state."""
         t0, before = time.monotonic(), self.run.config.parallel.layout.record()
@@ -250,32 +292,73 @@ class ElasticController:
             dp, waited = self.scaling.after_failure(self.run.config, self.say)
         checkpoint = self.run.relaunch(dp)
         restoring = isinstance(state, Restoring)
-        return Running(self._restart_event(
-            state.reason if restoring else "grow", "restart", first, in_flight, before,
-            resumed_step=checkpoint.step if checkpoint else self.run.global_step, checkpoint=checkpoint, since=t0,
-            waited=waited, survivors_refused=state.refused if restoring else None))
+        return Running(
+            self._restart_event(
+                state.reason if restoring else "grow",
+                "restart",
+                first,
+                in_flight,
+                before,
+                resumed_step=checkpoint.step if checkpoint else self.run.global_step,
+                checkpoint=checkpoint,
+                since=t0,
+                waited=waited,
+                survivors_refused=state.refused if restoring else None,
+            )
+        )
 
     def _join(self, state: Joining) -> State:
         t0, before = time.monotonic(), self.run.config.parallel.layout.record()
         pids = self.run.join_live(state.replicas)
-        return Running(self._restart_event("grow", "live join", None, None, before,
-                                           resumed_step=self.run.global_step, checkpoint=None, since=t0, pids=pids))
+        return Running(
+            self._restart_event(
+                "grow",
+                "live join",
+                None,
+                None,
+                before,
+                resumed_step=self.run.global_step,
+                checkpoint=None,
+                since=t0,
+                pids=pids,
+            )
+        )
 
-    def _restart_event(self, reason: str, recovery: str, lost: WorkerLostError | None, in_flight: tuple | None,
-                       before: LayoutRecord, *, resumed_step: int, checkpoint: Checkpoint | None, since: float,
-                       waited: float = 0.0, pids: list[int] | None = None,
-                       survivors_refused: str | None = None) -> RestartEvent:
+    def _restart_event(
+        self,
+        reason: str,
+        recovery: str,
+        lost: WorkerLostError | None,
+        in_flight: tuple | None,
+        before: LayoutRecord,
+        *,
+        resumed_step: int,
+        checkpoint: Checkpoint | None,
+        since: float,
+        waited: float = 0.0,
+        pids: list[int] | None = None,
+        survivors_refused: str | None = None,
+    ) -> RestartEvent:
         """The one place a restart event is made (the controller's loop adds the timings of the
         whole recovery: detected_at, attempts, restart_s). `in_flight`: abandon_save()'s (step,
         commit), None when no save was abandoned."""
         abandoned, salvaged = in_flight or (None, None)
         event = RestartEvent(
-            reason=reason, recovery=recovery, failed_step=lost.step if lost else None,
-            kind=lost.kind if lost else None, message=str(lost) if lost else None, checkpoint_in_flight=abandoned,
-            checkpoint_in_flight_committed=salvaged is not None, layout_before=before,
-            layout_after=self.run.config.parallel.layout.record(), resumed_step=resumed_step,
-            checkpoint=checkpoint.path if checkpoint else None, wait_for_resources_s=waited,
-            relaunch_s=time.monotonic() - since, survivors_refused=survivors_refused)
+            reason=reason,
+            recovery=recovery,
+            failed_step=lost.step if lost else None,
+            kind=lost.kind if lost else None,
+            message=str(lost) if lost else None,
+            checkpoint_in_flight=abandoned,
+            checkpoint_in_flight_committed=salvaged is not None,
+            layout_before=before,
+            layout_after=self.run.config.parallel.layout.record(),
+            resumed_step=resumed_step,
+            checkpoint=checkpoint.path if checkpoint else None,
+            wait_for_resources_s=waited,
+            relaunch_s=time.monotonic() - since,
+            survivors_refused=survivors_refused,
+        )
         if pids is not None:
             event["pids"] = pids
         return event

@@ -25,7 +25,6 @@ from raymp.runtime.actor_group import WorkerLostError
 PEER_MEMORY = "peer memory"  # where a restart's state came from (its event's "checkpoint"), for a peer copy
 
 
-
 def _copy_task():
     """A task returning its argument: the return value is stored on the node the task runs on.
     Made here, not at module level, so Ray ships it by value and the worker running it imports
@@ -126,24 +125,46 @@ class PeerCopies:
         part reaches the object store once written, while the next step runs."""
         t0 = time.perf_counter()
         try:
-            held = group.call("start_peer_copy", timeout_s=self.resources.collective_timeout_s, knob=COLLECTIVE_KNOB)
+            held = group.call(
+                "start_peer_copy", timeout_s=self.resources.collective_timeout_s, knob=COLLECTIVE_KNOB
+            )
         except WorkerLostError as lost:  # the run's next step is the one that failed
-            raise WorkerLostError(f"the peer copy of step {steps_done}: {lost}", lost.rank, lost.kind, steps_done) from lost
+            raise WorkerLostError(
+                f"the peer copy of step {steps_done}: {lost}", lost.rank, lost.kind, steps_done
+            ) from lost
         self.blocked_s.append(time.perf_counter() - t0)
         if set(held) != {steps_done}:
-            raise RuntimeError(f"peer copy: ranks hold states after steps {sorted(set(held))}, not {steps_done}")
+            raise RuntimeError(
+                f"peer copy: ranks hold states after steps {sorted(set(held))}, not {steps_done}"
+            )
         calls = [w.finish_peer_copy.remote(steps_done) for w in group.workers]
         nodes = [n["node_id"] for n in group.nodes]
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         copy_nodes = [other_node(node, nodes, alive) for node in nodes]
         self._copy = self._copy or _copy_task()
         # On one node a second copy protects nothing: the part already outlives its rank's process.
-        copies = [part if node == own else
-                  self._copy.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(part)
-                  for (_, part), node, own in zip(calls, copy_nodes, nodes)]
+        copies = [
+            (
+                part
+                if node == own
+                else self._copy.options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+                ).remote(part)
+            )
+            for (_, part), node, own in zip(calls, copy_nodes, nodes)
+        ]
         self._settle()
-        self.kept.append(PeerCopy(steps_done, position, [part for _, part in calls], nodes, copies, copy_nodes,
-                                  [held for held, _ in calls]))
+        self.kept.append(
+            PeerCopy(
+                steps_done,
+                position,
+                [part for _, part in calls],
+                nodes,
+                copies,
+                copy_nodes,
+                [held for held, _ in calls],
+            )
+        )
 
     def _settle(self) -> None:
         """Keep the newest copy every rank has handed over, and any newer still on its way."""

@@ -23,7 +23,11 @@ class RecoveryPolicy:
     the survivors' calls); otherwise the run is restored from the lineage."""
 
     def __init__(self, elastic, group_is_shared: bool):
-        self.enabled, self.max_restarts, self.group_is_shared = elastic.enabled, elastic.max_restarts, group_is_shared
+        self.enabled, self.max_restarts, self.group_is_shared = (
+            elastic.enabled,
+            elastic.max_restarts,
+            group_is_shared,
+        )
 
     def refusal(self) -> str | None:
         """Why this run recovers from nothing (it then stops at its first failure), or None."""

@@ -34,7 +34,9 @@ class BuiltinSpec(ModelSpec):
 
     def tensor_parallel(self, module: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
         if self.args.moe is not None:  # config rules refuse it first; this guards direct callers
-            raise ValueError("tensor parallelism of mixture-of-experts blocks is not built; set parallel.tp=1")
+            raise ValueError(
+                "tensor parallelism of mixture-of-experts blocks is not built; set parallel.tp=1"
+            )
         from torch.distributed.tensor.parallel import parallelize_module
 
         from raymp.models.llama_tp import block_plan, model_plan

@@ -29,8 +29,10 @@ def import_object(path: str, field: str):
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError, ValueError) as exc:
-        raise ValueError(f"{field} {path!r} cannot be imported ({exc}); give 'package.module:function' "
-                         "importable on every node (e.g. shipped with ray job submit --working-dir)") from None
+        raise ValueError(
+            f"{field} {path!r} cannot be imported ({exc}); give 'package.module:function' "
+            "importable on every node (e.g. shipped with ray job submit --working-dir)"
+        ) from None
 
 
 def is_stageable(module: nn.Module) -> bool:
@@ -91,4 +93,3 @@ class FactorySpec(ModelSpec):
 
     def num_params(self) -> int:
         return self._param_count
-

@@ -102,12 +102,20 @@ def shape_fields(cfg) -> dict:
                     tie_embeddings=bool(cfg.tie_word_embeddings), init_std=cfg.initializer_range)
     rope = getattr(cfg, "rope_parameters", None) or {}
     moe = {"moe": moe_fields(cfg)} if cfg.model_type in MOE_FAMILIES else {}
-    return dict(**moe, vocab_size=cfg.vocab_size, dim=cfg.hidden_size, n_layers=cfg.num_hidden_layers,
-                n_heads=cfg.num_attention_heads, n_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
-                ffn_dim=cfg.intermediate_size, max_seq_len=cfg.max_position_embeddings,
-                rope_theta=float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))),
-                norm_eps=cfg.rms_norm_eps, tie_embeddings=bool(cfg.tie_word_embeddings),
-                init_std=cfg.initializer_range)
+    return dict(
+        **moe,
+        vocab_size=cfg.vocab_size,
+        dim=cfg.hidden_size,
+        n_layers=cfg.num_hidden_layers,
+        n_heads=cfg.num_attention_heads,
+        n_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
+        ffn_dim=cfg.intermediate_size,
+        max_seq_len=cfg.max_position_embeddings,
+        rope_theta=float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))),
+        norm_eps=cfg.rms_norm_eps,
+        tie_embeddings=bool(cfg.tie_word_embeddings),
+        init_std=cfg.initializer_range,
+    )
 
 
 def moe_fields(cfg) -> dict:
@@ -162,7 +170,11 @@ class LlamaLikeLM(nn.Module):
         self.hf_config = config = hf_model.config
         # Which attention each layer (by its global index: a pipeline stage keeps its own) runs:
         # Qwen2 says per layer; Mistral slides on every layer when it has a window.
-        sliding = "sliding_attention" if config.model_type == "mistral" and config.sliding_window else "full_attention"
+        sliding = (
+            "sliding_attention"
+            if config.model_type == "mistral" and config.sliding_window
+            else "full_attention"
+        )
         self.layer_types = list(getattr(config, "layer_types", None) or [sliding] * len(inner.layers))
         # Under sequence parallelism hidden states hold 1/tp of the sequence between layers; the
         # rotary tables and masks are for the whole of it (attention sees it gathered).
@@ -175,7 +187,9 @@ class LlamaLikeLM(nn.Module):
         positions = torch.arange(seq, device=h.device).unsqueeze(0)
         rope = self.rotary(h, positions)
         whole = h.new_empty(h.shape[0], seq, 1)  # what the mask builders read: batch, length, dtype
-        masks = hf_masks(self.hf_config, {self.layer_types[int(i)] for i in self.layers}, whole, positions, document_ids)
+        masks = hf_masks(
+            self.hf_config, {self.layer_types[int(i)] for i in self.layers}, whole, positions, document_ids
+        )
         for index, layer in self.layers.items():
             h = layer(h, attention_mask=masks[self.layer_types[int(index)]], position_embeddings=rope,
                       position_ids=positions)
@@ -223,8 +237,13 @@ class GPT2LikeLM(nn.Module):
             x = self.embed_dropout(self.tok_embeddings(x) + self.pos_embeddings(positions))
         mask = None
         if document_ids is not None:
-            mask = hf_masks(self.hf_config, {"full_attention"}, x,
-                            torch.arange(x.shape[1], device=x.device).unsqueeze(0), document_ids)["full_attention"]
+            mask = hf_masks(
+                self.hf_config,
+                {"full_attention"},
+                x,
+                torch.arange(x.shape[1], device=x.device).unsqueeze(0),
+                document_ids,
+            )["full_attention"]
         for layer in self.layers.values():
             x = layer(x, attention_mask=mask)
         if self.norm is not None:
@@ -269,7 +288,9 @@ def from_hf_layout(model_type: str, name: str, tensor: torch.Tensor) -> torch.Te
     return tensor.t() if _is_conv1d(name) else tensor
 
 
-def to_hf_state_dict(model_type: str, weights: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+def to_hf_state_dict(
+    model_type: str, weights: dict[str, torch.Tensor], tied: bool
+) -> dict[str, torch.Tensor]:
     """Full weights named in the stageable shape -> a transformers state dict (a tied head is
     left out: from_pretrained ties it to the embedding)."""
     out: dict[str, torch.Tensor] = {}
@@ -348,7 +369,9 @@ class HFSpec(ModelSpec):
     def build_meta(self) -> nn.Module:
         transformers = _transformers()
         with torch.device("meta"):
-            hf_model = transformers.AutoModelForCausalLM.from_config(self.hf_config, attn_implementation="sdpa")
+            hf_model = transformers.AutoModelForCausalLM.from_config(
+                self.hf_config, attn_implementation="sdpa"
+            )
         module = GPT2LikeLM(hf_model) if self.model_type == "gpt2" else LlamaLikeLM(hf_model)
         return module.train()
 

@@ -9,7 +9,12 @@ Applied by `HFSpec.tensor_parallel` with torch's `parallelize_module`.
 from __future__ import annotations
 
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 
 def top_plan(module, sequence_parallel: bool = False) -> dict:
@@ -23,7 +28,9 @@ def top_plan(module, sequence_parallel: bool = False) -> dict:
     if module.norm is not None and sequence_parallel:
         plan["norm"] = SequenceParallel()
     if module.output is not None:
-        plan["output"] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)
+        plan["output"] = ColwiseParallel(
+            input_layouts=between, output_layouts=Shard(-1), use_local_output=False
+        )
     return plan
 
 
@@ -33,10 +40,15 @@ def llama_block_plan(sequence_parallel: bool = False) -> dict:
     parallelism the norms run on sequence slices; attention and MLP gather the whole sequence
     in and reduce-scatter back out."""
     between = Shard(1) if sequence_parallel else Replicate()
-    plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(output_layouts=between),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=between)}
+    plan = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=between),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=between),
+    }
     if sequence_parallel:
         plan.update({
             "input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),

@@ -55,7 +55,9 @@ class ModelArgs:
 
     def _params(self, linear: float) -> int:
         vocab = self.vocab_size * self.dim
-        return round(self.n_layers * (linear + 2 * self.dim) + vocab * (1 if self.tie_embeddings else 2) + self.dim)
+        return round(
+            self.n_layers * (linear + 2 * self.dim) + vocab * (1 if self.tie_embeddings else 2) + self.dim
+        )
 
     @property
     def num_params(self) -> int:

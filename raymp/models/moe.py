@@ -60,7 +60,11 @@ def uses_grouped_mm(x: torch.Tensor) -> bool:
         return False
     if x.device.type == "cpu":
         return True
-    return x.device.type == "cuda" and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 8
+    return (
+        x.device.type == "cuda"
+        and x.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(x.device)[0] >= 8
+    )
 
 
 def expert_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -133,7 +137,9 @@ class MoEFeedForward(nn.Module):
         self.args = args
         self.router = Router(dim, args)
         self.experts = RoutedExperts(args.n_experts, dim, args.expert_ffn_dim)
-        self.shared = FeedForward(dim, args.n_shared_experts * args.expert_ffn_dim) if args.n_shared_experts else None
+        self.shared = (
+            FeedForward(dim, args.n_shared_experts * args.expert_ffn_dim) if args.n_shared_experts else None
+        )
         # The balance loss's gradient is scaled like the language-model loss it sits beside: the
         # step runner sets it (1/micro-batches where each micro-batch's loss is divided so).
         self.aux_grad_scale = 1.0
@@ -155,8 +161,11 @@ class MoEFeedForward(nn.Module):
             out = out + self.shared(flat)
         out = out.view(b, s, d)
         if torch.is_grad_enabled():
-            aux = (self._balance_loss(chosen.view(b, s, -1), scores.view(b, s, -1)) if self.args.aux_loss_coef > 0
-                   else torch.zeros((), device=x.device))  # off: nothing to compute
+            aux = (
+                self._balance_loss(chosen.view(b, s, -1), scores.view(b, s, -1))
+                if self.args.aux_loss_coef > 0
+                else torch.zeros((), device=x.device)
+            )  # off: nothing to compute
             if self.count_routing and not recomputing():  # activation checkpointing runs the forward again
                 self.routing.add(counts, aux)
             if self.args.aux_loss_coef > 0:

@@ -57,5 +57,9 @@ PRESETS: dict[str, dict] = {
 # 16 SwiGLU experts and one shared expert; the first layer stays dense (model.ffn_dim).
 _SMALL_ROUTING = dict(n_shared_experts=1, score="softmax", normalize_topk=True, aux_loss_coef=0.01,
                       bias_update_rate=0.001, dense_layers=1)
-PRESETS["tiny-moe"] = dict(PRESETS["tiny"], moe=dict(n_experts=8, top_k=2, expert_ffn_dim=64, **_SMALL_ROUTING))
-PRESETS["small-moe"] = dict(PRESETS["small"], moe=dict(n_experts=16, top_k=2, expert_ffn_dim=256, **_SMALL_ROUTING))
+PRESETS["tiny-moe"] = dict(
+    PRESETS["tiny"], moe=dict(n_experts=8, top_k=2, expert_ffn_dim=64, **_SMALL_ROUTING)
+)
+PRESETS["small-moe"] = dict(
+    PRESETS["small"], moe=dict(n_experts=16, top_k=2, expert_ffn_dim=256, **_SMALL_ROUTING)
+)

@@ -20,25 +20,51 @@ def model_shape(model_cfg, vocab_size: int | None, tokenizer: str | None = None)
         from raymp.models.hf import load_hf_config, tensor_parallel_dims
 
         hf = load_hf_config(model_cfg.hf, model_cfg.hf_config)
-        where = "model.hf_config" if model_cfg.hf_config is not None else f"config.json of model.hf ({model_cfg.hf})"
+        where = (
+            "model.hf_config"
+            if model_cfg.hf_config is not None
+            else f"config.json of model.hf ({model_cfg.hf})"
+        )
         sizes = tuple((name, size, False) for name, size in tensor_parallel_dims(hf).items())
         layers = "n_layer" if hf.model_type == "gpt2" else "num_hidden_layers"
         # Llama-like glue plans sequence parallelism; GPT-2's adds learned positions to each
         # slice of the sequence, which it does not plan.
-        return ModelShape(model_cfg.n_layers, sizes, sequence_parallel=hf.model_type != "gpt2",
-                          experts=model_cfg.moe is not None,
-                          kind=f"the Hugging Face {hf.model_type} model", layers_field=f"{layers} in {where}", sizes_in=where)
-    vocab_entry = () if vocab is None else ((
-        "model.vocab_size" if model_cfg.vocab_size else f"the vocabulary of the {tokenizer or 'data'} tokenizer",
-        vocab, True),)
+        return ModelShape(
+            model_cfg.n_layers,
+            sizes,
+            sequence_parallel=hf.model_type != "gpt2",
+            experts=model_cfg.moe is not None,
+            kind=f"the Hugging Face {hf.model_type} model",
+            layers_field=f"{layers} in {where}",
+            sizes_in=where,
+        )
+    vocab_entry = (
+        ()
+        if vocab is None
+        else (
+            (
+                (
+                    "model.vocab_size"
+                    if model_cfg.vocab_size
+                    else f"the vocabulary of the {tokenizer or 'data'} tokenizer"
+                ),
+                vocab,
+                True,
+            ),
+        )
+    )
     if model_cfg.factory is not None:
         from raymp.models.custom import STAGEABLE_NEEDED, FactorySpec
 
         spec = FactorySpec.from_model_config(model_cfg, vocab or 256, 0)
-        return ModelShape(spec.num_layers if spec.stageable else model_cfg.n_layers, vocab_entry,
-                          tp_plan=model_cfg.factory_tp_plan is not None,
-                          not_stageable="" if spec.stageable else STAGEABLE_NEEDED,
-                          kind="model.factory's module", layers_field="the layer count of model.factory's module")
+        return ModelShape(
+            spec.num_layers if spec.stageable else model_cfg.n_layers,
+            vocab_entry,
+            tp_plan=model_cfg.factory_tp_plan is not None,
+            not_stageable="" if spec.stageable else STAGEABLE_NEEDED,
+            kind="model.factory's module",
+            layers_field="the layer count of model.factory's module",
+        )
     return ModelShape(model_cfg.n_layers, (("model.n_heads", model_cfg.n_heads, False),
                                            ("model.n_kv_heads", model_cfg.n_kv_heads, False),
                                            ("model.ffn_dim", model_cfg.ffn_dim, False), *vocab_entry),

@@ -142,7 +142,9 @@ def build_part(spec: ModelSpec, device, prune=None, tp_mesh=None, sequence_paral
                                  f"expects {tuple(param.shape)}: the weights are for another config")
             if isinstance(param, DTensor):
                 # Each rank slices its own piece locally (no scatter from rank 0).
-                full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+                full = distribute_tensor(
+                    full, param.device_mesh, param.placements, src_data_rank=None
+                ).to_local()
                 param.to_local().copy_(full)
             else:
                 param.copy_(full)

@@ -241,7 +241,11 @@ class FSDPEngine(DataParallelEngine):
     def __init__(self, modules: list[nn.Module], dp_mesh, opt_cfg, zero: int, device: torch.device, mp_dtype,
                  block_names, reshard_after_forward: bool):
         self.zero, self.device = zero, device
-        mp = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32) if mp_dtype else MixedPrecisionPolicy()
+        mp = (
+            MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32)
+            if mp_dtype
+            else MixedPrecisionPolicy()
+        )
         offload = CPUOffloadPolicy() if opt_cfg.cpu_offload else None
         kwargs = dict(mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         if offload is not None:

@@ -44,7 +44,9 @@ class ActorGroup:
             raise ValueError(f"world size {world_size} is not a multiple of the TP size {tp_size}")
         self.world_size, self.device, self.tp_size, self.cpus = world_size, device, tp_size, cpus_per_actor
         self.workers, self.backend = [], "nccl" if device == "cuda" else "gloo"
-        self.placement = Placement({"CPU": cpus_per_actor, **({"GPU": 1} if device == "cuda" else {})}, tp_size)
+        self.placement = Placement(
+            {"CPU": cpus_per_actor, **({"GPU": 1} if device == "cuda" else {})}, tp_size
+        )
         # Threads of their own beside the step: "control" for abandon_step, "copies" for
         # finish_peer_copy (a peer copy is handed over while the next step runs).
         self._remote_cls = ray.remote(concurrency_groups={"control": 1, "copies": 1})(worker_cls)
@@ -65,18 +67,29 @@ class ActorGroup:
             scheduling_strategy=PlacementGroupSchedulingStrategy(*slot),
         ).remote(max(1, int(self.cpus)))
 
-    def _join(self, methods: list[str], collective_timeout_s: float, rendezvous_timeout_s: float, watch=None) -> None:
+    def _join(
+        self, methods: list[str], collective_timeout_s: float, rendezvous_timeout_s: float, watch=None
+    ) -> None:
         """Form the process group of self.workers, in order: rank 0's address, then each rank's
         method (init_distributed for new actors, rejoin for survivors), then where each is."""
         knob, deadline = "resources.rendezvous_timeout_s", _deadline(rendezvous_timeout_s)
         addr, port = self._gather([self.workers[0].rendezvous_address.remote()], deadline, knob, watch)[0]
         self.formation = (addr, port)
-        self._gather([getattr(w, m).remote(rank, len(self.workers), addr, port, self.backend, collective_timeout_s)
-                      for rank, (w, m) in enumerate(zip(self.workers, methods))], deadline, knob, watch)
+        self._gather(
+            [
+                getattr(w, m).remote(rank, len(self.workers), addr, port, self.backend, collective_timeout_s)
+                for rank, (w, m) in enumerate(zip(self.workers, methods))
+            ],
+            deadline,
+            knob,
+            watch,
+        )
         self.nodes = self._gather([w.node_info.remote() for w in self.workers], deadline, knob, watch)
         self.node_ids = sorted({n["node_id"] for n in self.nodes})
 
-    def survivors(self, method: str, timeout_s: float, knob: str, grace_s: float, grace_knob: str) -> dict[int, object]:
+    def survivors(
+        self, method: str, timeout_s: float, knob: str, grace_s: float, grace_knob: str
+    ) -> dict[int, object]:
         """rank -> result of `method` on the ranks that are alive and free. It runs after the
         calls queued on a rank have ended (a survivor's failed step first); a dead rank's call
         fails at once and the rank is left out. Once one rank has answered, the others get
@@ -97,7 +110,9 @@ class ActorGroup:
             except ray.exceptions.RayActorError:
                 continue
         if not alive:
-            raise WorkerLostError(f"no surviving rank ended its failed step in time ({knob})", None, "timeout")
+            raise WorkerLostError(
+                f"no surviving rank ended its failed step in time ({knob})", None, "timeout"
+            )
         self.kill_ranks(rank_of[ref] for ref in pending)
         return alive
 
@@ -139,8 +154,12 @@ class ActorGroup:
         self.placement.slots += slots
         self.workers += [self._start_worker(slot) for slot in slots]
         old, self.world_size = self.world_size, len(self.workers)
-        self._join(["rejoin"] * old + ["init_distributed"] * count, collective_timeout_s, rendezvous_timeout_s,
-                   self._check_placement)
+        self._join(
+            ["rejoin"] * old + ["init_distributed"] * count,
+            collective_timeout_s,
+            rendezvous_timeout_s,
+            self._check_placement,
+        )
 
     def _check_placement(self) -> None:
         """Raise at once if a node holding one of our bundles was lost while the group starts: an
@@ -162,7 +181,9 @@ class ActorGroup:
         starts the moment that one ends (Ray runs an actor's calls in order)."""
         return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
 
-    def collect(self, refs: list, timeout_s: float | None = None, knob: str = "elastic.step_timeout_s") -> list:
+    def collect(
+        self, refs: list, timeout_s: float | None = None, knob: str = "elastic.step_timeout_s"
+    ) -> list:
         """Results of submit()'s refs in rank order, as call() gathers them; timeout_s counts from now."""
         return self._gather(refs, _deadline(timeout_s), knob)
 

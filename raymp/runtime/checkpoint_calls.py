@@ -19,7 +19,9 @@ class CheckpointCalls:
         return self.checkpointer.save(path, step, self.step_runner, self.engine, self.scheduler,
                                       async_save)
 
-    def checkpoint_after_step(self, order: SaveOrder | None, applied: bool) -> tuple[dict | None, dict | None]:
+    def checkpoint_after_step(
+        self, order: SaveOrder | None, applied: bool
+    ) -> tuple[dict | None, dict | None]:
         """At the end of a step's call: the outcome of a save finished since the last step, and
         the start of the save the call carries (`order`), if its update was `applied`. A
         non-finite step starts none: train.on_nonfinite decides on the driver first whether the

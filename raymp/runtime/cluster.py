@@ -45,8 +45,10 @@ def host_memory_problem(rank_bytes: list[float]) -> str | None:
     one, everything = max(rank_bytes), sum(rank_bytes)
     if one <= max(sizes) and everything <= sum(sizes):
         return None
-    return (f"the model does not fit in memory: the planner estimates {one / gib:,.1f} GiB per rank (model "
-            f"state, activations, buffers; {everything / gib:,.1f} GiB for all {len(rank_bytes)} ranks), but the "
-            f"largest node has {max(sizes) / gib:,.1f} GiB and the cluster {sum(sizes) / gib:,.1f} GiB; shard "
-            "it over more actors (parallel.zero=3, pp, tp), use a smaller model or parallel.micro_batch_size, "
-            "or add nodes (`raymp plan` ranks layouts by memory)")
+    return (
+        f"the model does not fit in memory: the planner estimates {one / gib:,.1f} GiB per rank (model "
+        f"state, activations, buffers; {everything / gib:,.1f} GiB for all {len(rank_bytes)} ranks), but the "
+        f"largest node has {max(sizes) / gib:,.1f} GiB and the cluster {sum(sizes) / gib:,.1f} GiB; shard "
+        "it over more actors (parallel.zero=3, pp, tp), use a smaller model or parallel.micro_batch_size, "
+        "or add nodes (`raymp plan` ranks layouts by memory)"
+    )

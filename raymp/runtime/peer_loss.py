@@ -85,7 +85,9 @@ class GroupSockets:
         try:
             yield
         finally:
-            self._opened.update((fd, ino) for fd, ino in _connected_sockets().items() if before.get(fd) != ino)
+            self._opened.update(
+                (fd, ino) for fd, ino in _connected_sockets().items() if before.get(fd) != ino
+            )
 
     def shut(self) -> None:
         now = _connected_sockets()

@@ -109,7 +109,11 @@ class LocalStep:
         """A micro-batch's inputs and labels (this cp rank's slice of the sequence) and the
         forward's mask keywords (document ids of the whole sequence: attention sees all of it)."""
         inputs, cp = batch[:, :-1], self.mesh["cp"]
-        return sequence_slice(inputs, cp), sequence_slice(batch[:, 1:], cp), mask_kwargs(inputs, self.document_eot)
+        return (
+            sequence_slice(inputs, cp),
+            sequence_slice(batch[:, 1:], cp),
+            mask_kwargs(inputs, self.document_eot),
+        )
 
     def forward_backward(self, tokens: np.ndarray) -> dict:
         """tokens: this replica's samples of the step, [local batch, seq_len + 1]."""
@@ -146,7 +150,9 @@ class LocalStep:
         for batch in micro:
             inputs, labels, masks = self._split(batch)
             with loss_context(self.cfg.parallel.tp), autocast_context(self.device, self._autocast_dtype):
-                total += local_tensor(self.loss_meter.loss(self.engine.model(inputs, **masks), labels)).double()
+                total += local_tensor(
+                    self.loss_meter.loss(self.engine.model(inputs, **masks), labels)
+                ).double()
         return _cp_mean(total, self.mesh) / len(micro)
 
 
@@ -237,7 +243,9 @@ class PipelineStep:
         ]
         self.num_params = sum(_whole_numel(m) for m in modules)
         self.tied_embeddings = spec.tie_embeddings
-        self.engine = _parallelize(modules, spec, cfg, mesh, device, zero_bubble=p.schedule in ZERO_BUBBLE, kept=kept)
+        self.engine = _parallelize(
+            modules, spec, cfg, mesh, device, zero_bubble=p.schedule in ZERO_BUBBLE, kept=kept
+        )
         # The schedule divides gradients by the micro-batches after backward (scale_grads), the
         # balance loss's with them: its gradient keeps scale 1.
         self.moe_blocks = {name: b for m in modules for name, b in moe_blocks(m).items()}
@@ -295,10 +303,14 @@ class PipelineStep:
         if self.is_first:
             batch = torch.from_numpy(np.asarray(tokens).astype(np.int64)).to(self.device)
             whole = batch[:, :-1]
-            inputs, labels = sequence_slice(whole, self.mesh["cp"]), sequence_slice(batch[:, 1:], self.mesh["cp"])
+            inputs, labels = sequence_slice(whole, self.mesh["cp"]), sequence_slice(
+                batch[:, 1:], self.mesh["cp"]
+            )
             inputs, labels = inputs.contiguous(), labels.contiguous()
             if not self.is_last:
-                sends.append(dist.isend(labels, group=self.pp_group, group_dst=self.last_pp_rank, tag=self.LABEL_TAG))
+                sends.append(
+                    dist.isend(labels, group=self.pp_group, group_dst=self.last_pp_rank, tag=self.LABEL_TAG)
+                )
             if self.document_eot is not None:
                 doc_ids = document_ids(whole, self.document_eot)
                 sends += [dist.isend(doc_ids, group=self.pp_group, group_dst=r, tag=self.DOCUMENT_TAG)
@@ -341,7 +353,11 @@ class PipelineStep:
                     self._send_activation(x, owner[s + 1])
         for send in sends:
             send.wait()
-        return _cp_mean(torch.tensor(sum(losses) / len(losses), dtype=torch.float64), self.mesh) if self.is_last else None
+        return (
+            _cp_mean(torch.tensor(sum(losses) / len(losses), dtype=torch.float64), self.mesh)
+            if self.is_last
+            else None
+        )
 
     def _send_activation(self, x: torch.Tensor, dst: int) -> None:
         x = local_tensor(x).contiguous()
@@ -384,7 +400,9 @@ class PipelineStep:
             "pipeline_events": list(self.clock.events),
         }
         if self.meter.measuring:
-            out.update(activation_peak_bytes=self.meter.peak, **(self.loss_meter.report() if self.is_last else {}))
+            out.update(
+                activation_peak_bytes=self.meter.peak, **(self.loss_meter.report() if self.is_last else {})
+            )
         return out
 
     def measure_memory(self, on: bool) -> None:

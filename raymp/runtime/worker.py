@@ -66,8 +66,13 @@ class Worker(CheckpointCalls):
     # -- placement and rendezvous ---------------------------------------------------------
 
     def node_info(self) -> dict:
-        return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
-                "pid": os.getpid(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "threads": self.num_threads}
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "threads": self.num_threads,
+        }
 
     def rendezvous_address(self) -> tuple[str, int]:
         with socket.socket() as s:
@@ -113,7 +118,9 @@ class Worker(CheckpointCalls):
             self._kept = host_state(self.step_runner, self.engine, self.scheduler)
         return json.loads(self._kept["scheduler"])["last_epoch"]
 
-    def rejoin(self, rank: int, world_size: int, addr: str, port: int, backend: str, timeout_s: float) -> None:
+    def rejoin(
+        self, rank: int, world_size: int, addr: str, port: int, backend: str, timeout_s: float
+    ) -> None:
         """Leave the broken process group (a peer is gone) and join the survivors' new one."""
         self._drop_model()
         self._leave_groups(self._mesh_objects())
@@ -255,8 +262,11 @@ class Worker(CheckpointCalls):
         self.step_runner.measure_memory(measure)
         out = self.step_runner.forward_backward(tokens)
         p = self.cfg.parallel
-        grad_norm = self.engine.clip_grad_norm(self.cfg.optimizer.grad_clip, p.layout.data_parallel_size * p.tp,
-                                               self.step_runner.counted_elsewhere)
+        grad_norm = self.engine.clip_grad_norm(
+            self.cfg.optimizer.grad_clip,
+            p.layout.data_parallel_size * p.tp,
+            self.step_runner.counted_elsewhere,
+        )
         if math.isfinite(grad_norm):  # the same global norm on every rank: all apply, or none
             self.engine.optimizer.step()
             routing = finish_expert_step(self.step_runner.moe_blocks, self.step_runner.mesh["data"])
@@ -271,9 +281,20 @@ class Worker(CheckpointCalls):
         self.engine.after_optimizer_step()
         compute_s = time.perf_counter() - t0
         finished, started = self.checkpoint_after_step(save, math.isfinite(grad_norm))
-        return RankReport(rank=self.rank, **out, sample_ids=sample_ids, data_wait_s=data_wait,
-                          grad_norm=grad_norm, lr=lr, compute_s=compute_s, peak_mem_bytes=peak_memory(self.device),
-                          checkpoint=finished, save_started=started, routing=routing, **self.memory.last)
+        return RankReport(
+            rank=self.rank,
+            **out,
+            sample_ids=sample_ids,
+            data_wait_s=data_wait,
+            grad_norm=grad_norm,
+            lr=lr,
+            compute_s=compute_s,
+            peak_mem_bytes=peak_memory(self.device),
+            checkpoint=finished,
+            save_started=started,
+            routing=routing,
+            **self.memory.last,
+        )
 
     def evaluate(self) -> float | None:
         """Mean validation loss over the held-out batches (last stages return it)."""

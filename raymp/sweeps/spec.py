@@ -46,9 +46,11 @@ class SweepSpec(_Strict):
     metric: str = Field("loss", description="the step metric the sweep ranks by (a key of a step's metrics)")
     mode: Literal["min", "max"] = "min"
     search: Literal["random", "optuna"] = Field(
-        "random", description="random: Tune's variant generator (every grid point, random draws of the rest); "
+        "random",
+        description="random: Tune's variant generator (every grid point, random draws of the rest); "
         "optuna: Optuna's TPE sampler proposes each trial from the results so far (seeded by the base "
-        "config's seed; no grid fields)")
+        "config's seed; no grid fields)",
+    )
     samples: int = Field(1, ge=1, description="Tune's num_samples: the grid is run this many times, each "
                                               "with fresh draws of the sampled fields")
     max_concurrent: int | None = Field(None, ge=1, description="trials at once; None: as many as the cluster "
@@ -165,4 +167,3 @@ def check_spec(spec: SweepSpec, base: RunConfig) -> RunConfig:
                           f"({base.train.steps}): no trial could be stopped early; lower it or set "
                           "asha: null")
     return base
-
