@@ -4,10 +4,11 @@ Per-call logging costs 4-11 ms on sqlite and 55-85 ms over HTTP (docs/design.md)
 buffered and written with log_batch every `flush_every` steps.
 
 Each step appears once. MLflow cannot delete a logged point, and an elastic restart redoes the
-steps after the checkpoint it resumes from. So, when the run checkpoints, a step's metrics are
-held back (provisional) until a checkpoint at or after it commits, or the run finishes; a restart
-drops the provisional steps it will redo. The MLflow view lags the progress bar by up to
-checkpoint.every steps for it. A run without checkpoints logs at once (a restart there starts over).
+steps after the checkpoint it resumes from (from the start without one). So, when the run
+checkpoints or is elastic, a step's metrics are held back (provisional) until a checkpoint at or
+after it commits, or the run ends; a restart drops the provisional steps it will redo. The MLflow
+view lags the progress bar by up to checkpoint.every steps for it (an elastic run without
+checkpoints: to its end). Only a run with neither logs at once.
 """
 
 from __future__ import annotations

@@ -50,6 +50,26 @@ def test_killed_actor_restarts_the_group_and_training_goes_on(tiny_cfg, tmp_path
         trainer.close()
 
 
+def test_a_restart_without_checkpoints_logs_each_step_once(tiny_cfg, tmp_path):
+    """No checkpoint to go back to: the restart redoes every step from the start, and MLflow,
+    which cannot delete a point, still gets each step once (held until the run ends)."""
+    from mlflow.tracking import MlflowClient
+
+    cfg = elastic_cfg(tiny_cfg, tmp_path)
+    cfg["checkpoint"]["every"] = 0
+    with Trainer(cfg, progress=False) as trainer:
+        for _ in range(3):
+            trainer.step()
+        trainer.group.kill_ranks([1])
+        history = trainer.fit()
+        (restart,) = trainer.restarts
+        run_id, uri = trainer.tracker.run_id, trainer.tracker.uri
+    assert restart["resumed_step"] == 0 and restart["checkpoint"] is None
+    logged = sorted(MlflowClient(uri).get_metric_history(run_id, "fit/loss"), key=lambda m: m.step)
+    assert [m.step for m in logged] == list(range(8))
+    assert [m.value for m in logged] == pytest.approx([m["loss"] for m in history], rel=1e-6)
+
+
 def test_gives_up_after_max_restarts(tiny_cfg, tmp_path):
     trainer = Trainer(elastic_cfg(tiny_cfg, tmp_path, max_restarts=0), progress=False)
     try:

@@ -33,8 +33,10 @@ class RunTracking:
             record["id"] == lineage_id if record.get("id") else cfg.checkpoint.resume == "auto")
         previous = (resume.meta.get("mlflow") or {}) if continuing else {}
         run_id = cfg.tracking.resume_run_id or previous.get("run_id")
+        # A step can be redone when the run checkpoints (a restart or resume goes back to the
+        # last checkpoint) or restarts (without a checkpoint, from the start): held until final.
         self.tracker = tracker = RunTracker(cfg, run_name, tags, resume_run_id=run_id,
-                                            provisional=cfg.checkpoint.every > 0)
+                                            provisional=cfg.checkpoint.every > 0 or cfg.elastic.enabled)
         if cfg.tracking.resume_run_id and not tracker.resumed:
             raise ConfigError(f"tracking.resume_run_id {run_id!r} is not a run of experiment "
                               f"{cfg.tracking.experiment!r} in {tracker.uri}; check the id (raymp runs)")
@@ -137,7 +139,9 @@ class RunTracking:
                     {"raymp.checkpoint": latest.path, "raymp.checkpoint_step": str(latest.step)}
                 )
         finally:
-            self.tracker.finish(status, complete=complete)  # flushes the metrics first
+            # No checkpoint to resume from: a later run starts over in a run of its own, so the
+            # held steps are never redone here.
+            self.tracker.finish(status, complete=complete or latest is None)  # flushes the metrics first
         if history:
             self.tracker.log_figure(loss_figure(history, run_name), "loss_curve.png")
 
