@@ -182,6 +182,29 @@ def test_a_killed_trial_goes_on_from_its_checkpoint(tiny_cfg, tmp_path):
     assert event["step"] == 4  # from the checkpoint of step 4, not from the start
 
 
+def test_a_rank_lost_inside_a_trial_is_recovered_and_the_trial_trains_the_same(tiny_cfg):
+    """Two trials of one config; the first loses rank 1's actor after step 2 (its process lives
+    on). Its next step recovers as a single run does (elastic, from the start: nothing was saved
+    yet); both trials then log the same loss at every step, once, and the restart is in MLflow."""
+    from helpers.sweep_trials import LosesARankOnceTrial
+
+    base = _sweep_base(tiny_cfg, steps=5)
+    result = sweep({"name": "lost-rank", "max_concurrent": 1, "samples": 2, "asha": None,
+                    "space": {"optimizer.lr": {"grid": [3e-3]}}}, base=base, log=lambda *_: None,
+                   trial_cls=LosesARankOnceTrial)
+    assert [t.status for t in result.trials] == ["completed", "completed"]
+    lost = Path(base["output_dir"], "rank-lost").read_text()
+    client, children = _children(f"sqlite:///{base['output_dir']}/mlflow.db", result.parent_run_id)
+    curves = {t.trial_id: sorted(client.get_metric_history(t.run_id, "fit/loss"), key=lambda m: m.step)
+              for t in result.trials}
+    for curve in curves.values():
+        assert [m.step for m in curve] == list(range(5))
+    recovered, clean = curves[lost], next(c for tid, c in curves.items() if tid != lost)
+    assert [m.value for m in recovered] == pytest.approx([m.value for m in clean], rel=1e-5)
+    restarts = {t.trial_id: children[t.run_id].data.tags.get("raymp.restarts", "0") for t in result.trials}
+    assert restarts[lost] == "1" and set(restarts.values()) == {"0", "1"}
+
+
 def test_a_trial_that_cannot_run_ends_with_its_reason_and_the_sweep_goes_on(tiny_cfg, tmp_path):
     """Data a trial cannot read is found when the trial starts (the config takes any source): that
     trial fails with the data error's one line, the other trial runs to the end."""

@@ -19,3 +19,19 @@ class DiesOnceTrial(RaympTrial):
             marker.write_text(self.trial_id)
             os._exit(1)
         return result
+
+
+LOSE_RANK_AFTER_STEP = 2
+
+
+class LosesARankOnceTrial(RaympTrial):
+    """The first trial of the sweep to finish step 2 loses its rank 1's actor there (as on a lost
+    node, the trial's own process lives on): its next step recovers inside Trainer.step."""
+
+    def step(self) -> dict:
+        result = super().step()
+        marker = Path(self.trainer.config.output_dir) / "rank-lost"
+        if self.trainer.global_step == LOSE_RANK_AFTER_STEP and not marker.exists():
+            marker.write_text(self.trial_id)
+            self.trainer.group.kill_ranks([1])
+        return result
