@@ -277,3 +277,21 @@ def test_listeners_see_every_state_and_the_scripted_paths_cover_them_all():
         controller.recover(_lost())
     every = {cls.name for cls in states.State.__args__}
     assert set(seen) == every and isinstance(Restoring("failure"), states.State.__args__)
+
+
+def test_the_policy_says_what_the_survivors_can_do_with_what_they_hold():
+    """dp4 (ZeRO-0: each rank a whole copy): survivors at the run's step go on; ahead of it (a
+    rank lost after its step's last collective) they reload from peer copies if there are any,
+    else the run restores."""
+    from raymp.elastic.policy import GoOn, Refuse, Reload
+
+    def cfg(**elastic):
+        return config_from_dict({"parallel": {"dp": 4, "zero": 0, "micro_batch_size": 1},
+                                 "train": {"global_batch_size": 8, "seq_len": 32}, "model": {"preset": "tiny"},
+                                 "elastic": {"keep_survivors": True, **elastic}})
+
+    policy = RecoveryPolicy(cfg().elastic, group_is_shared=False)
+    assert policy.survivors(cfg(), {0: 5, 1: 5, 3: 5}, 5) == GoOn([0, 1], 2)  # 3 copies: 8 splits into 2
+    ahead = policy.survivors(cfg(), {0: 6, 1: 6, 3: 6}, 5)
+    assert isinstance(ahead, Refuse) and ahead.why == "their states are after steps [6], the run is at step 5"
+    assert policy.survivors(cfg(peer_copy_every=2), {0: 6, 1: 6, 3: 6}, 5) == Reload([0, 1], 2, ahead.why)

@@ -24,15 +24,9 @@ import time
 from typing import Callable, Protocol
 
 from raymp.checkpoint.store import Checkpoint, CheckpointError
-from raymp.elastic.capacity import (
-    ElasticError,
-    largest_valid_dp,
-    largest_valid_replicas,
-    with_dp,
-    with_replicas,
-)
+from raymp.elastic.capacity import ElasticError, with_dp, with_replicas
 from raymp.elastic.peer_copies import PEER_MEMORY
-from raymp.elastic.policy import Action, RecoveryPolicy, ScalingPolicy
+from raymp.elastic.policy import Action, RecoveryPolicy, Refuse, Reload, ScalingPolicy
 from raymp.elastic.states import (Failed, Joining, KeepingSurvivors, Recovering, ReloadingSurvivors, Resizing,
                                   RestartEvent, Restoring, Running, State)
 from raymp.layout import Layout, LayoutRecord
@@ -216,48 +210,24 @@ class ElasticController:
     def _keep_survivors(
         self, state: KeepingSurvivors, first: WorkerLostError, in_flight: tuple | None
     ) -> State:
-        """The live ranks copy their state to host memory; the whole copies of it among them
-        re-form the process group and go on from the failed step (nothing redone, nothing read
-        from storage). They cannot when they did not all stop at the run's step (a rank was lost
-        after its step's last collective: some took the step), no whole copy survived, or no
-        valid dp is left: then they reload from peer copies, or the run restores."""
+        """The live ranks drop the failed step and copy their state to host memory; the policy
+        says what they can do with it: go on from the failed step (nothing redone, nothing read
+        from storage), reload it from peer copies, or nothing (the run restores)."""
         t0 = time.monotonic()
-        layout = self.run.config.parallel.layout
-        lost = state.failure
+        cfg, lost = self.run.config, state.failure
         kept = self.run.keep_survivors(lost.rank if lost.kind == "died" else None)
-        held, at = sorted(set(kept.values())), self.run.global_step
-        replicas = layout.whole_replicas(kept)
-        n = largest_valid_replicas(self.run.config, len(replicas)) if replicas else None
-        if held != [at] or n is None:
-            why = (f"their states are after steps {held}, the run is at step {at}" if held != [at] else
-                   "no whole copy of the state survived" if not replicas else
-                   f"{len(replicas)} whole copies of the state split the global batch into no valid dp")
-            return self._reload_or_restore(lost, first, sorted(kept), why)
-        before = layout.record()
-        _, pids = self.run.continue_on_ranks([r for ranks in replicas[:n] for r in ranks],
-                                             with_replicas(self.run.config, n), kept=True)
-        return Running(self._restart_event("failure", "survivors", first, in_flight, before, resumed_step=at,
-                                           checkpoint=None, since=t0, pids=pids))
-
-    def _reload_or_restore(self, lost: WorkerLostError, first: WorkerLostError, alive: list[int],
-                           why: str) -> State:
-        """elastic.peer_copy_every: the peer copies hold every part of the state, so the live ranks
-        (whole TP groups of them) go on as the largest valid dp, reloaded in their processes;
-        without peer copies or enough ranks, the run restores from the lineage."""
-        cfg = self.run.config
-        lay = cfg.parallel.layout
-        per = lay.world_size // lay.dp  # the ranks of one dp replica
-        ranks = lay.whole_tp_groups(alive)
-        dp = (
-            largest_valid_dp(cfg, len(ranks) // per)
-            if cfg.elastic.peer_copy_every and len(ranks) >= per
-            else None
-        )
-        if dp is None:
-            self.say(f"elastic: the survivors cannot go on alone ({why}); restarting from the lineage")
-            return Restoring("failure", first, refused=why)
-        self.say(f"elastic: the survivors cannot go on with their state ({why}); they reload it")
-        return ReloadingSurvivors(lost, ranks[:dp * per], dp, why)
+        plan = self.policy.survivors(cfg, kept, self.run.global_step)
+        if isinstance(plan, Refuse):
+            self.say(f"elastic: the survivors cannot go on alone ({plan.why}); restarting from the lineage")
+            return Restoring("failure", first, refused=plan.why)
+        if isinstance(plan, Reload):
+            self.say(f"elastic: the survivors cannot go on with their state ({plan.why}); they reload it")
+            return ReloadingSurvivors(lost, plan.ranks, plan.dp, plan.why)
+        before = cfg.parallel.layout.record()
+        _, pids = self.run.continue_on_ranks(plan.ranks, with_replicas(cfg, plan.replicas), kept=True)
+        event = self._restart_event("failure", "survivors", first, in_flight, before,
+                                    resumed_step=self.run.global_step, checkpoint=None, since=t0, pids=pids)
+        return Running(event)
 
     def _reload_survivors(
         self, state: ReloadingSurvivors, first: WorkerLostError, in_flight: tuple | None

@@ -3,6 +3,7 @@ to go on with or grow back to (ScalingPolicy)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 
 from raymp.elastic.capacity import capacity, largest_valid_dp, largest_valid_replicas, wait_for_replicas
@@ -45,6 +46,53 @@ class RecoveryPolicy:
                 and state.failure.kind != "timeout"):
             return Action.KEEP_SURVIVORS
         return Action.RESTORE
+
+    def survivors(self, config, kept: dict[int, int], at: int) -> GoOn | Reload | Refuse:
+        """What the live ranks can do with what they hold (`kept`: rank -> the steps its state
+        holds; the run is at step `at`). They go on when all hold step `at` and whole copies of the
+        state among them give a valid dp. They hold a later step when a rank was lost after its
+        step's last collective (the survivors took the step: going on would take it twice). Where
+        they cannot, peer copies (elastic.peer_copy_every) let the whole TP groups among them
+        reload it; else the run restores."""
+        layout = config.parallel.layout
+        held = sorted(set(kept.values()))
+        replicas = layout.whole_replicas(kept)
+        n = largest_valid_replicas(config, len(replicas)) if replicas and held == [at] else None
+        if n is not None:
+            return GoOn([r for ranks in replicas[:n] for r in ranks], n)
+        why = (f"their states are after steps {held}, the run is at step {at}" if held != [at] else
+               "no whole copy of the state survived" if not replicas else
+               f"{len(replicas)} whole copies of the state split the global batch into no valid dp")
+        per = layout.world_size // layout.dp  # the ranks of one dp replica
+        ranks = layout.whole_tp_groups(sorted(kept))
+        copies = config.elastic.peer_copy_every and len(ranks) >= per
+        dp = largest_valid_dp(config, len(ranks) // per) if copies else None
+        return Refuse(why) if dp is None else Reload(ranks[:dp * per], dp, why)
+
+
+@dataclass(frozen=True)
+class GoOn:
+    """The survivors go on with the state they hold: `ranks`, `replicas` whole copies of it."""
+
+    ranks: list[int]
+    replicas: int
+
+
+@dataclass(frozen=True)
+class Reload:
+    """The survivors cannot keep their state (`why`), but peer copies hold every part of it:
+    `ranks` (whole TP groups) go on as `dp` replicas, reloaded in their processes."""
+
+    ranks: list[int]
+    dp: int
+    why: str
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """The survivors cannot go on (`why`): the run restores from the lineage."""
+
+    why: str
 
 
 class ScalingPolicy:
