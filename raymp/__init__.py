@@ -5,7 +5,8 @@ from raymp.version import __version__
 # Everything else loads on first use (PEP 562): `raymp --version` and a mistyped command then cost
 # no torch, pydantic or Ray import.
 _LAZY = {"Trainer": "raymp.trainer", "RunConfig": "raymp.config", "ConfigError": "raymp.config",
-         "load_config": "raymp.config", "sweep": "raymp.sweeps", "SweepSpec": "raymp.sweeps"}
+         "load_config": "raymp.config", "sweep": "raymp.sweeps", "SweepSpec": "raymp.sweeps",
+         "search_layouts": "raymp.sweeps"}
 
 
 def __getattr__(name):
@@ -16,4 +17,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'raymp' has no attribute {name!r}")
 
 
-__all__ = ["Trainer", "RunConfig", "ConfigError", "load_config", "sweep", "SweepSpec", "__version__"]
+__all__ = ["Trainer", "RunConfig", "ConfigError", "load_config", "sweep", "SweepSpec", "search_layouts",
+           "__version__"]

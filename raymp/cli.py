@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import yaml
@@ -106,9 +107,13 @@ def _parser() -> argparse.ArgumentParser:
     sweep = sub.add_parser(
         "sweep", help="search config fields on Ray Tune: each trial a run, all nested in MLflow"
     )
-    sweep.add_argument("sweep", help="path to a sweep file, e.g. configs/sweeps/tiny-lr.yaml")
+    sweep.add_argument("sweep", help="path to a sweep file, e.g. configs/sweeps/tiny-lr.yaml (with "
+                       "--layouts: a run config)")
     sweep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a field of the sweep's base config, for every trial (repeatable)")
+    sweep.add_argument("--layouts", type=int, metavar="N",
+                       help="measure the planner's N best layouts of the run config's cluster: section, a "
+                       "few steps each, pick the fastest and save the measured prices for the next plan")
 
     show = sub.add_parser("config", help="validate a config and print it fully resolved")
     show.add_argument("config")
@@ -158,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _sweep(args) -> int:
+    if args.layouts is not None:
+        return _search_layouts(args)
     from raymp.sweeps import sweep
 
     result = sweep(args.sweep, args.overrides, stop_signals=True)
@@ -171,6 +178,20 @@ def _sweep(args) -> int:
     print(f"best: trial {result.best.trial_id}, {result.metric}={result.best.value:.4g}, "
           + ", ".join(f"{k}={v}" for k, v in result.best.params.items())
           + (f"; MLflow parent run {result.parent_run_id}" if result.parent_run_id else ""))
+    return 0
+
+
+def _search_layouts(args) -> int:
+    from raymp.sweeps import search_layouts
+
+    found = search_layouts(args.sweep, args.overrides, layouts=args.layouts)
+    print(found.table())
+    print(f"saved the measured prices for the next `raymp plan` / parallel: auto of this config: {found.saved}")
+    if found.best is None:
+        print("raymp: error: no layout of the search ran to its end", file=sys.stderr)
+        return 1
+    print(f"fastest: {found.best.layout.text(detail=True)}, {found.best.measured_s * 1e3:.0f} ms a step; "
+          f"its parallel section: {json.dumps(found.best.layout.as_parallel())}")
     return 0
 
 
@@ -262,8 +283,8 @@ def _plan(args) -> int:
     from raymp.config import apply_overrides, config_from_dict, read_config_file
     from raymp.models import model_args
     from raymp.models.shape import TOKENIZER_VOCAB, model_shape
+    from raymp.calibration import planning_cluster
     from raymp.planner import explain, format_plan, plan
-    from raymp.step_time import cluster_from_config
 
     compare = _compared_layout(args.compare) if args.compare else None  # a typo fails before any output
     data = apply_overrides(read_config_file(args.config) if args.config else {}, args.overrides)
@@ -291,11 +312,13 @@ def _plan(args) -> int:
     vocab = cfg.model.vocab_size or TOKENIZER_VOCAB.get(cfg.data.tokenizer, 256)
     margs = model_args(cfg.model, vocab)
     shape = model_shape(cfg.model, vocab, cfg.data.tokenizer)
-    spec = cluster_from_config(cfg.cluster)
+    spec, measured = planning_cluster(cfg.cluster, cfg.output_dir)
     bf16 = cfg.bf16
     print(f"{cfg.model.preset or 'model'}: {margs.num_params / 1e9:.2f}B parameters on "
           f"{spec.nodes} x {spec.gpus_per_node} devices of {spec.gpu_memory_gb:g} GB; global batch "
           f"{cfg.train.global_batch_size} x {cfg.train.seq_len} tokens; {cfg.precision}")
+    if measured:
+        print(measured)
     result = plan(margs, spec, cfg.train.global_batch_size, cfg.train.seq_len, bf16, shape=shape)
     if isinstance(own, dict):  # the config's own layout, then the plan's
         print("This config's layout:")

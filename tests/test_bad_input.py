@@ -123,7 +123,7 @@ def test_the_command_line_says_it_in_one_line_with_exit_2(tmp_path):
 
 
 @pytest.mark.system
-@pytest.mark.parametrize("case", ["config is a directory", "invalid YAML", "auto without a cluster",
+@pytest.mark.parametrize("case", ["config is a directory", "invalid YAML", "auto without a cluster", "parallel: search",
                                   "checkpoint list of a missing dir", "data source of a dangling link",
                                   "cpus_per_actor above the machine"])
 def test_each_bad_path_or_file_is_one_line_with_exit_2(tmp_path, case):
@@ -144,6 +144,8 @@ def test_each_bad_path_or_file_is_one_line_with_exit_2(tmp_path, case):
         "config is a directory": (["config", str(tmp_path)], f"config path '{tmp_path}' is a directory"),
         "invalid YAML": (["config", str(bad_yaml)], f"{bad_yaml}: not valid YAML at line 3, column 2:"),
         "auto without a cluster": (["config", str(auto)], "parallel: auto needs a cluster section"),
+        "parallel: search": (["config", "configs/tiny.yaml", "--set", "parallel=search"],
+                             "parallel: search is a measurement, not a layout: run `raymp sweep --layouts N CONFIG`"),
         "checkpoint list of a missing dir": (["checkpoint", "list", str(tmp_path / "nope")],
                                              f"{tmp_path / 'nope'} is not a directory; give a run's checkpoint.dir"),
     }[case]

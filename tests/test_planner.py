@@ -260,3 +260,38 @@ def test_the_readme_plan_examples_are_what_raymp_plan_prints():
     cli = raymp("plan", "--model", "llama-70b", "--nodes", "8", "--gpus-per-node", "8", "--gpu-memory-gb", "80",
                 "--global-batch", "512", "--seq-len", "4096", "--top", "1")
     assert f"{quoted}. Best first:" in cli.stdout, cli.stdout
+
+
+def test_a_saved_calibration_prices_the_next_plan_of_the_same_cluster(tmp_path, capsys):
+    """What a layout search measured (raymp.calibration) prices the plans made for the config
+    after it: `raymp plan` says so, and `parallel: auto` ranks by it. Not for another shape of
+    cluster, not over the config's own cost_factors, not from a file it cannot read."""
+    import yaml
+
+    from raymp.calibration import CALIBRATION_FILE, Calibration, planning_cluster, save_calibration
+    from raymp.cli import main
+    from raymp.config import config_from_dict
+    from raymp.step_time import cluster_from_config
+
+    def cfg(**cluster):
+        return {"model": {"preset": "tiny"}, "train": {"global_batch_size": 8, "seq_len": 32},
+                "cluster": {"nodes": 1, "gpus_per_node": 4, "gpu_memory_gb": 4, **cluster},
+                "output_dir": str(tmp_path), "parallel": "auto"}
+
+    before = config_from_dict(cfg()).parallel.layout
+    cluster = config_from_dict(cfg()).cluster
+    assert planning_cluster(cluster, str(tmp_path)) == (cluster_from_config(cluster), None)
+    save_calibration(str(tmp_path), Calibration(1, 4, 0.01, {"ddp": 1e6, "fsdp": 1e6}, "now", ["dp=4"]))
+    priced, note = planning_cluster(cluster, str(tmp_path))
+    assert priced.gpu_tflops == 0.01 and priced.achievable_mfu == 1.0
+    assert priced.cost_factors == {"ddp": 1e6, "fsdp": 1e6} and "priced as measured on this cluster" in note
+    # Data parallelism priced a million times its bytes: auto now picks a layout without it.
+    assert before.dp == 4 and config_from_dict(cfg()).parallel.layout.dp == 1
+    assert planning_cluster(config_from_dict(cfg(gpus_per_node=8)).cluster, str(tmp_path))[1] is None
+    assert planning_cluster(config_from_dict(cfg(cost_factors={"tp": 2.0})).cluster, str(tmp_path))[1] is None
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({k: v for k, v in cfg().items() if k != "parallel"}))
+    assert main(["plan", str(path)]) == 0
+    assert "priced as measured on this cluster" in capsys.readouterr().out
+    (tmp_path / CALIBRATION_FILE).write_text("{not json")
+    assert planning_cluster(cluster, str(tmp_path))[1] is None

@@ -205,6 +205,36 @@ def test_a_rank_lost_inside_a_trial_is_recovered_and_the_trial_trains_the_same(t
     assert restarts[lost] == "1" and set(restarts.values()) == {"0", "1"}
 
 
+def test_a_layout_search_picks_the_fastest_measured_layout_and_the_next_plan_uses_its_prices(tiny_cfg, tmp_path,
+                                                                                               capsys):
+    """The planner's 3 best layouts of 4 CPU actors (the config's cluster: 1 x 4), 4 steps each,
+    one at a time: the pick is the fastest measured, every layout trained the same thing (equal
+    losses), and the compute rate and cost factors measured are saved, then used by `raymp plan`."""
+    import yaml
+
+    from raymp.calibration import load_calibration
+    from raymp.cli import main
+    from raymp.sweeps import search_layouts
+
+    base = _sweep_base(tiny_cfg, steps=4)
+    base["cluster"] = {"nodes": 1, "gpus_per_node": 4, "gpu_memory_gb": 4}
+    found = search_layouts(base, layouts=3, steps=4, log=lambda *_: None)
+    assert [m.status for m in found.layouts] == ["completed"] * 3
+    assert len({m.layout for m in found.layouts}) == 3 and all(m.layout.world_size == 4 for m in found.layouts)
+    assert found.best is min(found.layouts, key=lambda m: m.measured_s)
+    losses = [m.loss for m in found.layouts]
+    assert losses == pytest.approx([losses[0]] * 3, rel=1e-5)
+    saved = load_calibration(base["output_dir"])
+    assert saved.compute_tflops == pytest.approx(found.compute_tflops) and saved.cost_factors == found.cost_factors
+    assert found.cost_factors and set(found.cost_factors) <= {"ddp", "fsdp", "tp", "sp", "cp", "pp"}
+    table = found.table()
+    assert "(fastest)" in table and table.count("completed") == 3
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(base))
+    assert main(["plan", str(path)]) == 0
+    assert "priced as measured on this cluster" in capsys.readouterr().out
+
+
 def test_a_trial_that_cannot_run_ends_with_its_reason_and_the_sweep_goes_on(tiny_cfg, tmp_path):
     """Data a trial cannot read is found when the trial starts (the config takes any source): that
     trial fails with the data error's one line, the other trial runs to the end."""

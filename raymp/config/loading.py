@@ -21,8 +21,8 @@ from raymp.config.schema import (
 )
 from raymp.models import model_args
 from raymp.models.shape import TOKENIZER_VOCAB, model_shape, probed_shape
+from raymp.calibration import planning_cluster
 from raymp.planner import plan
-from raymp.step_time import cluster_from_config
 
 
 def _valid_keys(loc: tuple) -> list[str]:
@@ -100,6 +100,12 @@ def config_from_dict(data: dict, overrides: list[str] | None = None, source: str
     except ValueError as err:  # the model's shape could not be read
         raise ConfigError(f"invalid config ({source}):\n  model: {err}") from None
     try:
+        if data.get("parallel") == "search":
+            raise ConfigError(
+                "search is a measurement, not a layout: run `raymp sweep --layouts N CONFIG` (it trains "
+                "the planner's N best layouts a few steps each and saves what it measured), then set "
+                "parallel: auto (planned with those prices) or the layout it found fastest"
+            )
         if data.get("parallel") == "auto":
             data = _resolve_auto_layout(data)
         return RunConfig.model_validate(data)
@@ -131,7 +137,8 @@ def with_model_shape(model: dict) -> dict:
 
 
 def _resolve_auto_layout(data: dict) -> dict:
-    """`parallel: auto`: the planner's best layout for `cluster` replaces it."""
+    """`parallel: auto`: the planner's best layout for `cluster` replaces it (priced as a layout
+    search measured this cluster, when one saved its calibration under the run's output_dir)."""
     if not data.get("cluster"):
         raise ConfigError(
             "auto needs a cluster section to plan for (cluster.nodes, "
@@ -142,9 +149,10 @@ def _resolve_auto_layout(data: dict) -> dict:
     cluster = ClusterConfig.model_validate(data["cluster"])
     tokenizer = (data.get("data") or {}).get("tokenizer", "byte")
     vocab = TOKENIZER_VOCAB.get(tokenizer)
+    priced, _ = planning_cluster(cluster, data.get("output_dir") or RunConfig.model_fields["output_dir"].default)
     best = plan(
         model_args(model, vocab or 256),
-        cluster_from_config(cluster),
+        priced,
         train.global_batch_size,
         train.seq_len,
         bf16=data.get("precision") in BF16_COMPUTE,

@@ -57,7 +57,7 @@ class ParentRun:
         for i, f in enumerate(fields):
             ax = fig.add_subplot(1, len(fields), i + 1)
             numeric = all(isinstance(t.params.get(f), (int, float)) for t in scored)
-            x = (lambda t: t.params.get(f)) if numeric else (lambda t: str(t.params.get(f)))  # noqa: E731
+            x = (lambda t: t.params.get(f)) if numeric else _labeller(f, [t.params.get(f) for t in scored])
             # A trial stopped early is drawn hollow: its last step is earlier than the others'.
             hollow = {"facecolors": "none", "edgecolors": "C0"}
             for status, style in (("completed", {}), ("stopped early", hollow)):
@@ -75,3 +75,18 @@ class ParentRun:
         fig.suptitle(f"{result.name}: {result.metric} at each trial's last step", fontsize=10)
         fig.tight_layout()
         return fig
+
+
+def _labeller(field: str, values: list):
+    """A short axis label per trial for a field that is not a number. A section's value (a whole
+    `parallel:` of a layout search) is named by the keys in which the trials differ."""
+    sections = [v for v in values if isinstance(v, dict)]
+    varying = sorted({k for v in sections for k in v if any(w.get(k) != v.get(k) for w in sections)})
+
+    def label(trial) -> str:
+        value = trial.params.get(field)
+        if isinstance(value, dict):
+            return " ".join(f"{k}={value.get(k)}" for k in varying) or "same"
+        return str(value)
+
+    return label

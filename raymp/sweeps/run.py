@@ -42,6 +42,7 @@ class Trial:
     status: str  # completed | stopped early | failed
     run_id: str
     error: str = ""
+    last: dict[str, Any] = field(default_factory=dict)  # its last result: the step's metrics and ours
 
 
 @dataclass
@@ -172,7 +173,7 @@ def sweep(sweep: str | Path | SweepSpec | dict, overrides: list[str] | None = No
         status = ("failed" if res.error else "completed" if steps >= cfg.train.steps else "stopped early")
         trial_id, params = started.trials.get(Path(res.path).name, (Path(res.path).name, res.config or {}))
         trials.append(Trial(trial_id, params, m.get(spec.metric), steps, status, str(m.get(RUN_ID, "")),
-                            _reason(res.error)))
+                            _reason(res.error), dict(m)))
     trials.sort(key=lambda t: t.trial_id)
     result = SweepResult(spec.name, spec.metric, spec.mode, trials, parent.run_id if parent else None)
     if parent is not None:

@@ -11,13 +11,16 @@ from typing import Any
 
 from ray import tune
 
+from raymp.driver.summary import steady_median
 from raymp.errors import user_errors
 from raymp.trainer import Trainer
 from raymp.sweeps.spec import override
 
-# What a trial reports besides its step metrics: its MLflow run and how many steps it ran.
+# What a trial reports besides its step metrics: its MLflow run, how many steps it ran and, at
+# its last step, the median step time of its steady state (what a layout search compares).
 RUN_ID = "raymp_run_id"
 STEPS_DONE = "raymp_steps"
+STEADY_STEP_S = "raymp_steady_step_s"
 CHECKPOINT_FILE = "raymp_checkpoint.json"  # in Tune's checkpoint: which raymp checkpoint it is
 
 
@@ -73,6 +76,7 @@ class RaympTrial(tune.Trainable):
         result[RUN_ID] = self.tracker.run_id if self.tracker is not None else ""
         result["done"] = trainer.global_step >= trainer.config.train.steps
         if result["done"]:  # as fit() ends: the last save committed, then the MLflow run
+            result[STEADY_STEP_S] = steady_median(trainer.history, "step_time_s")
             trainer.session.commit_in_flight()
             trainer.end_tracking("FINISHED")
         return result
