@@ -124,6 +124,7 @@ def test_the_command_line_says_it_in_one_line_with_exit_2(tmp_path):
 
 @pytest.mark.system
 @pytest.mark.parametrize("case", ["config is a directory", "invalid YAML", "auto without a cluster", "parallel: search",
+                                  "layout search without a cluster",
                                   "checkpoint list of a missing dir", "data source of a dangling link",
                                   "cpus_per_actor above the machine"])
 def test_each_bad_path_or_file_is_one_line_with_exit_2(tmp_path, case):
@@ -144,6 +145,8 @@ def test_each_bad_path_or_file_is_one_line_with_exit_2(tmp_path, case):
         "config is a directory": (["config", str(tmp_path)], f"config path '{tmp_path}' is a directory"),
         "invalid YAML": (["config", str(bad_yaml)], f"{bad_yaml}: not valid YAML at line 3, column 2:"),
         "auto without a cluster": (["config", str(auto)], "parallel: auto needs a cluster section"),
+        "layout search without a cluster": (["sweep", "--layouts", "3", "configs/tiny.yaml"],
+                                            "a layout search plans for the config's cluster section"),
         "parallel: search": (["config", "configs/tiny.yaml", "--set", "parallel=search"],
                              "parallel: search is a measurement, not a layout: run `raymp sweep --layouts N CONFIG`"),
         "checkpoint list of a missing dir": (["checkpoint", "list", str(tmp_path / "nope")],

@@ -81,11 +81,15 @@ def search_layouts(config: RunConfig | str | dict, overrides: list[str] | None =
     """Measure the planner's `layouts` best layouts of the config's `cluster:` (its nodes x
     gpus_per_node actors) for `steps` steps each, and save what was measured under the config's
     output_dir. The config's own `parallel` section is replaced by each layout in turn."""
-    cfg = as_config(config, overrides)
-    dumped = cfg.model_dump(mode="json")
-    world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
     if layouts < 1 or steps < 2:
         raise ConfigError(f"a layout search needs at least 1 layout and 2 steps (got {layouts}, {steps})")
+    cfg = as_config(config, overrides)
+    if cfg.cluster is None:
+        raise ConfigError("a layout search plans for the config's cluster section: cluster.nodes x "
+                          "cluster.gpus_per_node actors of cluster.gpu_memory_gb each; add one, e.g. "
+                          "--set cluster.gpus_per_node=4")
+    dumped = cfg.model_dump(mode="json")
+    world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
     vocab = cfg.model.vocab_size or TOKENIZER_VOCAB.get(cfg.data.tokenizer, 256)
     args, shape = model_args(cfg.model, vocab), model_shape(cfg.model, vocab, cfg.data.tokenizer)
     gb, seq = cfg.train.global_batch_size, cfg.train.seq_len
