@@ -34,7 +34,9 @@ DP = 2
 def prepare_rate(tokenizer: str, seq_len: int) -> float:
     with tempfile.TemporaryDirectory() as cache:
         t0 = time.perf_counter()
-        _, manifest = prepare("kjv", tokenizer=tokenizer, seq_len=seq_len, cache_dir=cache, log=lambda *_: None)
+        _, manifest = prepare(
+            "kjv", tokenizer=tokenizer, seq_len=seq_len, cache_dir=cache, log=lambda *_: None
+        )
         return manifest["tokens"] / (time.perf_counter() - t0)
 
 
@@ -43,7 +45,9 @@ def stream_rate(data_cfg: DataConfig, global_batch: int, seq_len: int, steps: in
     data = load_dataset(data_cfg, seq_len, log=lambda *_: None)
     order = TrainOrder(data.num_samples, data_cfg.val_fraction, 0, global_batch)
     start = DataPosition.at(0, 0, order, 0, data.identity)
-    spec = StreamSpec(data.root, data.num_samples, data.seq_len, data_cfg.val_fraction, 0, global_batch, DP, 0, start)
+    spec = StreamSpec(
+        data.root, data.num_samples, data.seq_len, data_cfg.val_fraction, 0, global_batch, DP, 0, start
+    )
     stream = ReplicaStream(spec, steps, data_cfg.stream_cpus, data_cfg.prefetch_batches)
     t0 = time.perf_counter()
     for step in range(steps):
@@ -51,7 +55,9 @@ def stream_rate(data_cfg: DataConfig, global_batch: int, seq_len: int, steps: in
     return steps * (global_batch // DP) * seq_len / (time.perf_counter() - t0)
 
 
-def train_rates(group, model: str, tokenizer: str, cache: str, steps: int, out_dir: str) -> tuple[float, float]:
+def train_rates(
+    group, model: str, tokenizer: str, cache: str, steps: int, out_dir: str
+) -> tuple[float, float]:
     shape = MODELS[model]
     cfg = config_from_dict({
         "name": f"data-{model}-{tokenizer}", "output_dir": out_dir,
@@ -87,10 +93,14 @@ def main() -> None:
                 rows.append((model, tokenizer, prep, stream, train, stream / (train / DP), wait))
     group.shutdown()
     print(f"\ndata pipeline vs training, KJV corpus, dp={DP} CPU actors, {args.steps} steps\n")
-    print("| model | tokenizer | prepare tok/s | stream tok/s (1 replica) | train tok/s (all) | headroom | data wait |")
+    print(
+        "| model | tokenizer | prepare tok/s | stream tok/s (1 replica) | train tok/s (all) | headroom | data wait |"
+    )
     print("|---|---|---|---|---|---|---|")
     for model, tok, prep, stream, train, headroom, wait in rows:
-        print(f"| {model} | {tok} | {prep:,.0f} | {stream:,.0f} | {train:,.0f} | {headroom:.1f}x | {wait:.1%} |")
+        print(
+            f"| {model} | {tok} | {prep:,.0f} | {stream:,.0f} | {train:,.0f} | {headroom:.1f}x | {wait:.1%} |"
+        )
 
 
 if __name__ == "__main__":

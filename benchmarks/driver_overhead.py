@@ -43,21 +43,44 @@ def measure(opts) -> dict:
         compute = [median(steady([max(p["compute_s"] for p in m["per_rank"]) for m in r["history"]])) * 1e3
                    for r in rs]
         over = [median(steady(_overheads(r["history"]))) * 1e3 for r in rs]
-        rows.append([name, f"{median(wall):.1f}", f"{median(compute):.1f}", f"{median(over):.2f}", spread(over),
-                     f"{max(_max_loss_gap(r['losses'], reference) for r in rs):.1e}"])
+        rows.append(
+            [
+                name,
+                f"{median(wall):.1f}",
+                f"{median(compute):.1f}",
+                f"{median(over):.2f}",
+                spread(over),
+                f"{max(_max_loss_gap(r['losses'], reference) for r in rs):.1e}",
+            ]
+        )
     return {
         "title": "7. Driver overhead per step: step-by-step dispatch vs dispatch ahead",
-        "setup": (f"model `tiny`, dp=2 ZeRO-2, global batch 16 x 128 tokens, fp32, 2 CPU actors x 1 thread, "
-                  f"Python API (`Trainer.fit`), {steps} steps per run, median of steps 3..{steps}, {opts.reps} "
-                  "interleaved rounds on the same actors. Overhead = driver wall per step minus the slowest "
-                  "rank's compute in that step (the rank's own clock around `train_step`)."),
-        "columns": ["dispatch", "driver wall (ms)", "slowest rank compute (ms)", "overhead (ms)",
-                    "overhead per round (ms)", "max loss gap"],
+        "setup": (
+            f"model `tiny`, dp=2 ZeRO-2, global batch 16 x 128 tokens, fp32, 2 CPU actors x 1 thread, "
+            f"Python API (`Trainer.fit`), {steps} steps per run, median of steps 3..{steps}, {opts.reps} "
+            "interleaved rounds on the same actors. Overhead = driver wall per step minus the slowest "
+            "rank's compute in that step (the rank's own clock around `train_step`)."
+        ),
+        "columns": [
+            "dispatch",
+            "driver wall (ms)",
+            "slowest rank compute (ms)",
+            "overhead (ms)",
+            "overhead per round (ms)",
+            "max loss gap",
+        ],
         "rows": rows,
-        "raw": {name: {"step_times_s": [r["step_times"] for r in rs],
-                       "overheads_s": [_overheads(r["history"]) for r in rs],
-                       "losses": [r["losses"] for r in rs]} for name, rs in runs.items()},
-        "notes": ["Step by step, the actors idle while the driver gathers the reports, aggregates the "
-                  "metrics and sends the next call; with dispatch ahead the next call is already queued on "
-                  "each actor, so what remains is Ray's return of the results."],
+        "raw": {
+            name: {
+                "step_times_s": [r["step_times"] for r in rs],
+                "overheads_s": [_overheads(r["history"]) for r in rs],
+                "losses": [r["losses"] for r in rs],
+            }
+            for name, rs in runs.items()
+        },
+        "notes": [
+            "Step by step, the actors idle while the driver gathers the reports, aggregates the "
+            "metrics and sends the next call; with dispatch ahead the next call is already queued on "
+            "each actor, so what remains is Ray's return of the results."
+        ],
     }

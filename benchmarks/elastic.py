@@ -108,17 +108,29 @@ def _ray_train_recovery(cluster, root: str, rep: int, cfg: dict, batches, vocab:
     steps = _read(log, "step")
     resumed = [r for r in _read(log, "started") if r["at"] > killed]
     if not resumed:
-        why = f"{type(failure[0]).__name__}: {str(failure[0]).splitlines()[0]}" if failure else "no error raised"
+        why = (
+            f"{type(failure[0]).__name__}: {str(failure[0]).splitlines()[0]}"
+            if failure
+            else "no error raised"
+        )
         seen = [(r["step"], r["node"][:8]) for r in steps]
-        raise RuntimeError(f"Ray Train did not restart after the node loss in round {rep} ({why}); node "
-                           f"{records[0]['node'][:8]} removed after step {KILL_AFTER}; steps logged (step, node): {seen}")
+        raise RuntimeError(
+            f"Ray Train did not restart after the node loss in round {rep} ({why}); node "
+            f"{records[0]['node'][:8]} removed after step {KILL_AFTER}; steps logged (step, node): {seen}"
+        )
     after = min(r["at"] for r in steps if r["at"] > killed)
     failed_step = max(r["step"] for r in steps if r["at"] <= killed)
     by_step = {r["step"]: r["loss"] for r in steps}  # the redone steps' second losses win
     step = resumed[0]["step"]
-    return {"to_next_step_s": after - killed, "redone": failed_step - step, "resume_s": resumed[0]["at"] - killed,
-            "read_bytes": resumed[0]["read_bytes"], "losses": [by_step[s] for s in sorted(by_step)], "dp_after": 2,
-            "state_from": f"checkpoint of step {step}" if step else "nothing (from the start)"}
+    return {
+        "to_next_step_s": after - killed,
+        "redone": failed_step - step,
+        "resume_s": resumed[0]["at"] - killed,
+        "read_bytes": resumed[0]["read_bytes"],
+        "losses": [by_step[s] for s in sorted(by_step)],
+        "dp_after": 2,
+        "state_from": f"checkpoint of step {step}" if step else "nothing (from the start)",
+    }
 
 
 def _read(path: str, event: str) -> list[dict]:
@@ -164,37 +176,83 @@ def measure(opts) -> dict:
         nxt = [r["to_next_step_s"] for r in rs]
         gap = max(abs(a - b) / b for r in rs for a, b in zip(r["losses"], reference))
         ratio = peer / median(nxt)
-        rows.append([name, f"{median(nxt):.1f}", spread(nxt), f"{median([r['resume_s'] for r in rs]):.1f}",
-                     str(median([r["redone"] for r in rs])), f"{median([r['read_bytes'] for r in rs]) / 2**20:.1f}",
-                     " / ".join(dict.fromkeys(r["state_from"] for r in rs)), str(rs[0]["dp_after"]), f"{gap:.1e}",
-                     "" if name == "Ray Train" else f"{ratio:.2f}x ({'raymp faster' if ratio > 1 else 'raymp slower'})"])
-    cost_rows = [[c["mode"], f"{c['step_s'] * 1e3:.0f}", f"{c['ratio']:.2f}x", in_run_text(c),
-                  "-" if c["stall_s"] is None else f"{c['stall_s'] * 1e3:.0f}",
-                  f"{c['blocked_s'] * 1e3:.0f}" if c["size_mb"] else "-", f"{c['size_mb']:.1f}" if c["size_mb"] else "-"]
-                 for c in cost]
+        rows.append(
+            [
+                name,
+                f"{median(nxt):.1f}",
+                spread(nxt),
+                f"{median([r['resume_s'] for r in rs]):.1f}",
+                str(median([r["redone"] for r in rs])),
+                f"{median([r['read_bytes'] for r in rs]) / 2**20:.1f}",
+                " / ".join(dict.fromkeys(r["state_from"] for r in rs)),
+                str(rs[0]["dp_after"]),
+                f"{gap:.1e}",
+                (
+                    ""
+                    if name == "Ray Train"
+                    else f"{ratio:.2f}x ({'raymp faster' if ratio > 1 else 'raymp slower'})"
+                ),
+            ]
+        )
+    cost_rows = [
+        [
+            c["mode"],
+            f"{c['step_s'] * 1e3:.0f}",
+            f"{c['ratio']:.2f}x",
+            in_run_text(c),
+            "-" if c["stall_s"] is None else f"{c['stall_s'] * 1e3:.0f}",
+            f"{c['blocked_s'] * 1e3:.0f}" if c["size_mb"] else "-",
+            f"{c['size_mb']:.1f}" if c["size_mb"] else "-",
+        ]
+        for c in cost
+    ]
     return {
         "title": "5. Elasticity: recovery after node loss, and checkpoint cost",
-        "setup": (f"Simulated cluster (head: 1 CPU for the driver; two worker nodes of 3 CPUs). dp=2 DDP, "
-                  f"model `small`, global batch 16, seq_len 128, {STEPS} steps, a checkpoint every {EVERY} "
-                  f"steps; both ranks (1.5 CPU each) sit on one node, which is removed when step "
-                  f"{KILL_AFTER} is done; a replacement node is added at once. raymp restart: its elastic restart "
-                  "(async DCP checkpoints). raymp peer-memory restore: the same, with `elastic.peer_copy_every: 1`, "
-                  "so each rank's part of the state is also in the object store of the other node, and the restart "
-                  "loads that. raymp keep_survivors: `elastic.keep_survivors` on two 2-CPU nodes, one rank each; "
-                  "the node of rank 0 is removed and rank 1 goes on alone with its state in memory (grow_back off, "
-                  "so the row is the recovery alone); its second row adds no replacement node. Ray Train: "
-                  "`FailureConfig(max_failures=1)`, the loop resumes "
-                  f"from `ray.train.get_checkpoint()` (rank 0 saves a torch state dict). {opts.reps} runs each, "
-                  "alternating."),
-        "columns": ["run", "node lost -> next step (s)", "runs (s)", "node lost -> resumed (s)", "steps redone",
-                    "read from storage per rank (MiB)", "state from", "dp after", "max loss gap vs raymp", "raymp vs peer"],
+        "setup": (
+            f"Simulated cluster (head: 1 CPU for the driver; two worker nodes of 3 CPUs). dp=2 DDP, "
+            f"model `small`, global batch 16, seq_len 128, {STEPS} steps, a checkpoint every {EVERY} "
+            f"steps; both ranks (1.5 CPU each) sit on one node, which is removed when step "
+            f"{KILL_AFTER} is done; a replacement node is added at once. raymp restart: its elastic restart "
+            "(async DCP checkpoints). raymp peer-memory restore: the same, with `elastic.peer_copy_every: 1`, "
+            "so each rank's part of the state is also in the object store of the other node, and the restart "
+            "loads that. raymp keep_survivors: `elastic.keep_survivors` on two 2-CPU nodes, one rank each; "
+            "the node of rank 0 is removed and rank 1 goes on alone with its state in memory (grow_back off, "
+            "so the row is the recovery alone); its second row adds no replacement node. Ray Train: "
+            "`FailureConfig(max_failures=1)`, the loop resumes "
+            f"from `ray.train.get_checkpoint()` (rank 0 saves a torch state dict). {opts.reps} runs each, "
+            "alternating."
+        ),
+        "columns": [
+            "run",
+            "node lost -> next step (s)",
+            "runs (s)",
+            "node lost -> resumed (s)",
+            "steps redone",
+            "read from storage per rank (MiB)",
+            "state from",
+            "dp after",
+            "max loss gap vs raymp",
+            "raymp vs peer",
+        ],
         "rows": rows,
-        "extra_tables": [{
-            "caption": (f"raymp checkpoint cost (dp=2 ZeRO-2, model `small`, {3 * opts.steps} steps, a save every "
-                        f"5 steps, median of {opts.reps} interleaved rounds; time per step includes the saves)"),
-            "columns": ["checkpoints", "time per step (ms)", "vs none", "in-run cost per step",
-                        "loop stall per save (ms)", "ranks blocked per save (ms)", "one checkpoint (MiB)"],
-            "rows": cost_rows}],
+        "extra_tables": [
+            {
+                "caption": (
+                    f"raymp checkpoint cost (dp=2 ZeRO-2, model `small`, {3 * opts.steps} steps, a save every "
+                    f"5 steps, median of {opts.reps} interleaved rounds; time per step includes the saves)"
+                ),
+                "columns": [
+                    "checkpoints",
+                    "time per step (ms)",
+                    "vs none",
+                    "in-run cost per step",
+                    "loop stall per save (ms)",
+                    "ranks blocked per save (ms)",
+                    "one checkpoint (MiB)",
+                ],
+                "rows": cost_rows,
+            }
+        ],
         "raw": {"recovery": runs, "checkpoint_cost": cost},
         "notes": [
             "\"node lost -> next step\" is the time from `remove_node` to the first training step completed "

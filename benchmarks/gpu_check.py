@@ -43,11 +43,15 @@ TORCHTITAN = "torchtitan 0.3.0, its own train script"
 
 
 def options(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu_check", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--preset", default="llama-1b", help="built-in model shape (default llama-1b)")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--batch-per-gpu", type=int, default=4, help="sequences per GPU per step")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per run (the first two are dropped)")
+    parser.add_argument(
+        "--steps", type=int, default=10, help="timed steps per run (the first two are dropped)"
+    )
     parser.add_argument("--gpus", type=int, default=None, help="GPUs for the dp=N run (default: all visible)")
     parser.add_argument("--gpu-name", default=None, help=argparse.SUPPRESS)  # tests: the name to look up
     # tests: the whole check's flow on CPU ranks (a small preset), with the GPU's numbers made up
@@ -60,8 +64,13 @@ def options(argv=None) -> argparse.Namespace:
     parser.add_argument("--skip-loss", action="store_true", help="leave out the loss-kernel table")
     parser.add_argument("--skip-torchtitan", metavar="WHY", default=None,
                         help="leave out torchtitan's rows, saying why in their place")
-    parser.add_argument("--only", nargs="+", metavar="TEXT", default=None,
-                        help="run only the runs whose names contain one of these (the plain loop always runs)")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        metavar="TEXT",
+        default=None,
+        help="run only the runs whose names contain one of these (the plain loop always runs)",
+    )
     parser.add_argument("--out", default=os.path.join(REPO, "BENCHMARKS.md"),
                         help="the Markdown file whose GPU check section is replaced (or appended)")
     opts = parser.parse_args(argv)
@@ -100,9 +109,14 @@ def section(rows: list[dict], setup: str, notes: list[str] = ()) -> str:
     peak_gib, estimate_gib, first_loss, loss, and for fp8 runs guard; or run and error). The
     first step's loss (same weights, same batch) shows every run trained the same model on the
     same data; later losses drift apart in bf16."""
-    lines = [TITLE, "", setup, "",
-             "| run | GPUs | tokens/s | MFU | vs plain loop | CUDA peak (GiB) | planner's estimate (GiB) | first loss | last loss | fp8 guardrail vs bf16 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        TITLE,
+        "",
+        setup,
+        "",
+        "| run | GPUs | tokens/s | MFU | vs plain loop | CUDA peak (GiB) | planner's estimate (GiB) | first loss | last loss | fp8 guardrail vs bf16 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['run']} | - | - | - | - | - | - | - | - | {r['error']} |")
@@ -111,10 +125,14 @@ def section(rows: list[dict], setup: str, notes: list[str] = ()) -> str:
         guard = "-"
         if r.get("guard"):
             g = r["guard"]
-            guard = (f"{'within' if g['within'] else 'OUTSIDE'} {GUARD_BAND:.0%}: last 3 steps {g['end']:.2%} apart, "
-                     f"worst step {g['worst_step']:.2%}")
-        lines.append(f"| {r['run']} | {r['gpus']} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
-                     f"{r['vs_plain']:.2f}x | {r['peak_gib']:.1f} | {estimate} | {r['first_loss']:.4f} | {r['loss']:.4f} | {guard} |")
+            guard = (
+                f"{'within' if g['within'] else 'OUTSIDE'} {GUARD_BAND:.0%}: last 3 steps {g['end']:.2%} apart, "
+                f"worst step {g['worst_step']:.2%}"
+            )
+        lines.append(
+            f"| {r['run']} | {r['gpus']} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
+            f"{r['vs_plain']:.2f}x | {r['peak_gib']:.1f} | {estimate} | {r['first_loss']:.4f} | {r['loss']:.4f} | {guard} |"
+        )
     lines += [""] + [f"- {n}" for n in notes]
     return "\n".join(lines).rstrip("\n") + "\n"
 
@@ -175,8 +193,12 @@ def _raymp(cfg_dict: dict) -> dict:
 
     with Trainer(config_from_dict(cfg_dict), progress=False) as trainer:
         history = trainer.fit()
-    return {"step_s": median(steady([m["step_time_s"] for m in history])), "losses": [m["loss"] for m in history],
-            "peak_bytes": history[-1]["peak_mem_bytes_max"], "estimate_bytes": history[-1]["memory_estimate_bytes_max"]}
+    return {
+        "step_s": median(steady([m["step_time_s"] for m in history])),
+        "losses": [m["loss"] for m in history],
+        "peak_bytes": history[-1]["peak_mem_bytes_max"],
+        "estimate_bytes": history[-1]["memory_estimate_bytes_max"],
+    }
 
 
 PARITY_RUNS = {"raymp dp=1 (DDP)": {}, "raymp dp=1 ZeRO-2 (FSDP2)": {"zero": 2},
@@ -193,7 +215,9 @@ def parity_rows(device: str, out: str, steps: int = 5) -> list[dict]:
 
     shape = dict(preset="small", seq_len=256, global_batch=8, micro_batch=2, steps=steps, device=device,
                  cpus_per_actor=1, train={"compile": False})  # the engines' math, eager like the reference
-    reference, _ = train_single_process(config_from_dict(run_config("gpu-parity", out, **shape)), steps, device)
+    reference, _ = train_single_process(
+        config_from_dict(run_config("gpu-parity", out, **shape)), steps, device
+    )
     rows = []
     for name, extra in PARITY_RUNS.items():
         losses = _raymp(run_config("gpu-parity", out, **shape, **extra))["losses"]
@@ -253,10 +277,13 @@ def loss_rows(device: str, tokens: int, vocab: int, repeats: int = 5) -> list[di
 
 
 def loss_table(rows: list[dict], tokens: int, vocab: int) -> str:
-    lines = [f"The loss alone on this GPU: bf16 logits of {tokens:,} tokens x {vocab:,} entries (one micro-batch), "
-             "forward + backward, median of 5 after a warm-up:", "",
-             "| loss | ms | memory above the logits and their gradient (GiB) | gradient vs the first row (max rel.) |",
-             "|---|---|---|---|"]
+    lines = [
+        f"The loss alone on this GPU: bf16 logits of {tokens:,} tokens x {vocab:,} entries (one micro-batch), "
+        "forward + backward, median of 5 after a warm-up:",
+        "",
+        "| loss | ms | memory above the logits and their gradient (GiB) | gradient vs the first row (max rel.) |",
+        "|---|---|---|---|",
+    ]
     lines += [f"| {r['way']} | {r['ms']:.1f} | {r['extra_gib']:.2f} | {r['grad_diff']:.1e} |" for r in rows]
     return "\n".join(lines) + "\n"
 
@@ -274,27 +301,38 @@ def planned_micro_batch(opts, gpu_gib: float) -> tuple[int, bool]:
     cluster = Cluster(nodes=1, gpus_per_node=1, gpu_memory_gb=gpu_gib * 2**30 / 1e9)
     best = plan(model_args(cfg.model, 256), cluster, opts.batch_per_gpu, opts.seq_len, True).best
     if best is None:
-        raise SystemExit(f"gpu_check: the planner finds no layout of {opts.preset} that fits one GPU of {gpu_gib:.0f} GiB")
+        raise SystemExit(
+            f"gpu_check: the planner finds no layout of {opts.preset} that fits one GPU of {gpu_gib:.0f} GiB"
+        )
     return best.layout.micro_batch_size, best.layout.activation_checkpointing
 
 
 def the_runs(opts) -> dict:
     """name -> (GPUs, runner, config changes), in the order they run: what matters most first."""
-    runs = {"plain torch loop (1 process), bf16 eager": (1, lambda cfg: _plain_loop(cfg, opts.steps), {}),
-            "raymp dp=1, bf16 compiled": (1, _raymp, {"train": {"compile": True}}),
-            f"{TORCHTITAN}, bf16 compiled": (1, _torchtitan(opts), {}),
-            "raymp dp=1, fp8 tensorwise compiled": (1, _raymp, {"precision": "fp8", "train": {"compile": True}}),
-            "raymp dp=1, fp8 rowwise compiled": (1, _raymp, {"precision": "fp8", "train": {"compile": True},
-                                                             "float8": {"recipe": "rowwise"}}),
-            f"{TORCHTITAN}, fp8 rowwise compiled": (1, _torchtitan(opts, "rowwise"), {"precision": "fp8"}),
-            "raymp dp=1, bf16 eager": (1, _raymp, {"train": {"compile": False}})}
+    runs = {
+        "plain torch loop (1 process), bf16 eager": (1, lambda cfg: _plain_loop(cfg, opts.steps), {}),
+        "raymp dp=1, bf16 compiled": (1, _raymp, {"train": {"compile": True}}),
+        f"{TORCHTITAN}, bf16 compiled": (1, _torchtitan(opts), {}),
+        "raymp dp=1, fp8 tensorwise compiled": (1, _raymp, {"precision": "fp8", "train": {"compile": True}}),
+        "raymp dp=1, fp8 rowwise compiled": (
+            1,
+            _raymp,
+            {"precision": "fp8", "train": {"compile": True}, "float8": {"recipe": "rowwise"}},
+        ),
+        f"{TORCHTITAN}, fp8 rowwise compiled": (1, _torchtitan(opts, "rowwise"), {"precision": "fp8"}),
+        "raymp dp=1, bf16 eager": (1, _raymp, {"train": {"compile": False}}),
+    }
     if opts.skip_torchtitan is not None or opts.dry_run_on_cpu:
         runs = {name: run for name, run in runs.items() if not name.startswith(TORCHTITAN)}
     if opts.only:
         runs = {name: run for i, (name, run) in enumerate(runs.items())
                 if i == 0 or any(text in name for text in opts.only)}
     if opts.gpus >= 2:
-        runs[f"raymp dp={opts.gpus} ZeRO-3 (NCCL), bf16 compiled"] = (opts.gpus, _raymp, {"zero": 3, "train": {"compile": True}})
+        runs[f"raymp dp={opts.gpus} ZeRO-3 (NCCL), bf16 compiled"] = (
+            opts.gpus,
+            _raymp,
+            {"zero": 3, "train": {"compile": True}},
+        )
     return runs
 
 
@@ -343,30 +381,38 @@ def main(argv=None) -> None:
     vocab = model_args(config_from_dict(run_config("vocab", out, preset=opts.preset)).model, 256).vocab_size
     loss_tokens = micro * opts.seq_len
     rows, bf16_losses, plain_mfu, losses, parity = [], {}, None, [], []
-    rows_after = [] if opts.skip_torchtitan is None else [{"run": TORCHTITAN, "error": f"not run: {opts.skip_torchtitan}"}]
+    rows_after = (
+        []
+        if opts.skip_torchtitan is None
+        else [{"run": TORCHTITAN, "error": f"not run: {opts.skip_torchtitan}"}]
+    )
 
     def write() -> None:
         """The section as measured so far, into opts.out (replacing its predecessor)."""
-        setup = (f"`python -m benchmarks.gpu_check` on {visible} x {gpu_name} (dense bf16 peak "
-                 f"{opts.peak_tflops:g} TFLOP/s per GPU), torch {torch.__version__}. Model `{opts.preset}` (the KJV in "
-                 f"GPT-2 tokens), seq_len {opts.seq_len}, {opts.batch_per_gpu} sequences per GPU per step in micro-batches "
-                 f"of {micro} ({'with' if checkpointed else 'no'} activation checkpointing: the planner's choice for "
-                 f"{gpu_gib:.0f} GiB), fused AdamW at learning rate {LR:g} after one warm-up step, median step of steps "
-                 f"3..{opts.steps}. MFU is against the bf16 peak for "
-                 "every run, fp8 included. CUDA peak is torch.cuda.max_memory_allocated (the largest rank); the "
-                 "planner's estimate is model state and saved activations. Whole check: "
-                 f"{time.perf_counter() - began:.0f} s.")
-        notes = [f"fp8 guardrail: the mean loss of the last three steps within {GUARD_BAND:.0%} of the same trainer's "
-                 "compiled bf16 run's (same initial weights and batches).",
-                 f"{TORCHTITAN}: its llama3 registry's pieces with its 1B flavor (FlexAttention, its default; chunked "
-                 "cross-entropy; compiled model and loss), launched by torchrun; tokens/s and the losses are read from "
-                 "its per-step log (median step of steps 3..N, as above), its peak is the reserved memory that log "
-                 "reports. Its data loader packs the same KJV text with an end-of-text token after each verse, so its "
-                 "batches are not raymp's: its losses show it trained a comparable model, not the same batches.",
-                 "MFU counts 6 x parameters (the tied output projection once) + 12 x layers x dim x seq_len FLOPs per "
-                 "token for every run, torchtitan's included (its own formula).",
-                 "The plain loop computes the loss with raymp's eager blockwise loss (see the loss table: slower "
-                 "than F.cross_entropy on fp32 logits, in a tenth of the memory)."]
+        setup = (
+            f"`python -m benchmarks.gpu_check` on {visible} x {gpu_name} (dense bf16 peak "
+            f"{opts.peak_tflops:g} TFLOP/s per GPU), torch {torch.__version__}. Model `{opts.preset}` (the KJV in "
+            f"GPT-2 tokens), seq_len {opts.seq_len}, {opts.batch_per_gpu} sequences per GPU per step in micro-batches "
+            f"of {micro} ({'with' if checkpointed else 'no'} activation checkpointing: the planner's choice for "
+            f"{gpu_gib:.0f} GiB), fused AdamW at learning rate {LR:g} after one warm-up step, median step of steps "
+            f"3..{opts.steps}. MFU is against the bf16 peak for "
+            "every run, fp8 included. CUDA peak is torch.cuda.max_memory_allocated (the largest rank); the "
+            "planner's estimate is model state and saved activations. Whole check: "
+            f"{time.perf_counter() - began:.0f} s."
+        )
+        notes = [
+            f"fp8 guardrail: the mean loss of the last three steps within {GUARD_BAND:.0%} of the same trainer's "
+            "compiled bf16 run's (same initial weights and batches).",
+            f"{TORCHTITAN}: its llama3 registry's pieces with its 1B flavor (FlexAttention, its default; chunked "
+            "cross-entropy; compiled model and loss), launched by torchrun; tokens/s and the losses are read from "
+            "its per-step log (median step of steps 3..N, as above), its peak is the reserved memory that log "
+            "reports. Its data loader packs the same KJV text with an end-of-text token after each verse, so its "
+            "batches are not raymp's: its losses show it trained a comparable model, not the same batches.",
+            "MFU counts 6 x parameters (the tied output projection once) + 12 x layers x dim x seq_len FLOPs per "
+            "token for every run, torchtitan's included (its own formula).",
+            "The plain loop computes the loss with raymp's eager blockwise loss (see the loss table: slower "
+            "than F.cross_entropy on fp32 logits, in a tenth of the memory).",
+        ]
         text = (section(rows + rows_after, setup, notes)
                 + ("\n" + loss_table(losses, loss_tokens, vocab) if losses else "")
                 + ("\n" + parity_table(parity) if parity else ""))
@@ -378,7 +424,9 @@ def main(argv=None) -> None:
 
     for name, (gpus, fn, changes) in the_runs(opts).items():
         if time.perf_counter() - began > opts.budget_s:
-            rows.append({"run": name, "error": f"not run: the check's {opts.budget_s:.0f} s budget was spent"})
+            rows.append(
+                {"run": name, "error": f"not run: the check's {opts.budget_s:.0f} s budget was spent"}
+            )
             continue
         cfg = run_config(f"gpu-check-{gpus}", out, preset=opts.preset, seq_len=opts.seq_len, device=device,
                          precision="bf16", steps=opts.steps, dp=gpus, global_batch=opts.batch_per_gpu * gpus,
@@ -396,14 +444,24 @@ def main(argv=None) -> None:
             rows.append({"run": name, "error": f"failed: {' '.join(last.split())[:240]}"})
             write()
             continue
-        flops = step_flops(model_args(config_from_dict(cfg).model, 256), cfg["train"]["global_batch_size"], opts.seq_len)
+        flops = step_flops(
+            model_args(config_from_dict(cfg).model, 256), cfg["train"]["global_batch_size"], opts.seq_len
+        )
         utilisation = mfu(flops, r["step_s"], gpus, opts.peak_tflops)
         plain_mfu = plain_mfu or utilisation
-        row = {"run": name, "gpus": gpus, "tokens_per_s": cfg["train"]["global_batch_size"] * opts.seq_len / r["step_s"],
-               "mfu": utilisation, "vs_plain": utilisation / plain_mfu, "peak_gib": r["peak_bytes"] / 2**30,
-               "estimate_gib": None if r["estimate_bytes"] is None else r["estimate_bytes"] / 2**30,
-               "first_loss": r["losses"][0], "loss": r["losses"][-1], "losses": r["losses"],
-               "wall_s": time.perf_counter() - t0}
+        row = {
+            "run": name,
+            "gpus": gpus,
+            "tokens_per_s": cfg["train"]["global_batch_size"] * opts.seq_len / r["step_s"],
+            "mfu": utilisation,
+            "vs_plain": utilisation / plain_mfu,
+            "peak_gib": r["peak_bytes"] / 2**30,
+            "estimate_gib": None if r["estimate_bytes"] is None else r["estimate_bytes"] / 2**30,
+            "first_loss": r["losses"][0],
+            "loss": r["losses"][-1],
+            "losses": r["losses"],
+            "wall_s": time.perf_counter() - t0,
+        }
         titan = name.startswith(TORCHTITAN)
         if "bf16 compiled" in name:  # each fp8 run's guardrail is its own trainer's bf16 run
             bf16_losses[titan] = r["losses"]
@@ -414,7 +472,9 @@ def main(argv=None) -> None:
         write()  # what is measured so far, should the machine be taken back before the end
     losses += [] if opts.skip_loss or opts.dry_run_on_cpu else loss_rows(device, loss_tokens, vocab)
     write()
-    parity += [] if opts.skip_parity or time.perf_counter() - began > opts.budget_s else parity_rows(device, out)
+    parity += (
+        [] if opts.skip_parity or time.perf_counter() - began > opts.budget_s else parity_rows(device, out)
+    )
     write()
     print(existing_section(open(opts.out).read()))
     print(f"wrote the GPU check section of {opts.out}")

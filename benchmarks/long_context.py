@@ -29,7 +29,10 @@ def _try(seq_len: int, cp: int, cap: int, steps: int, out: str) -> dict:
 def _activations(trainer, history) -> dict:
     """Saved activations of the largest rank, measured and as the planner estimated them."""
     saved = max(r["activation_peak_bytes"] + r["loss_saved_peak_bytes"] for r in history[-1]["per_rank"])
-    return {"saved_bytes": saved, "estimate_bytes": max(e.activation_bytes for e in trainer.session.memory_estimate)}
+    return {
+        "saved_bytes": saved,
+        "estimate_bytes": max(e.activation_bytes for e in trainer.session.memory_estimate),
+    }
 
 
 def measure(opts) -> dict:
@@ -57,13 +60,24 @@ def measure(opts) -> dict:
                else "A ladder end was reached before a failure; see the rows.")
     return {
         "title": "8. Long sequences: longest seq_len, cp=1 vs cp=4, same per-actor memory cap",
-        "setup": (f"Per-actor cap: {opts.long_cap_mib} MiB of resident memory above the actor's start-up size "
-                  "(the scale section's watchdog). The tiny model (4 layers, dim 64), fp32, one sequence per step, "
-                  f"byte vocabulary, {opts.scale_steps} steps; cp=4: Ulysses all-to-all attention over 4 actors. "
-                  "Every try on fresh actors. " + summary),
-        "columns": ["cp", "seq_len", "trains", "saved activations per rank (MiB)", "planner's estimate (MiB)",
-                    "peak new memory (MiB)", "step (s)", "why not"],
-        "rows": rows, "raw": {"trials": trials, "cap_bytes": cap},
+        "setup": (
+            f"Per-actor cap: {opts.long_cap_mib} MiB of resident memory above the actor's start-up size "
+            "(the scale section's watchdog). The tiny model (4 layers, dim 64), fp32, one sequence per step, "
+            f"byte vocabulary, {opts.scale_steps} steps; cp=4: Ulysses all-to-all attention over 4 actors. "
+            "Every try on fresh actors. " + summary
+        ),
+        "columns": [
+            "cp",
+            "seq_len",
+            "trains",
+            "saved activations per rank (MiB)",
+            "planner's estimate (MiB)",
+            "peak new memory (MiB)",
+            "step (s)",
+            "why not",
+        ],
+        "rows": rows,
+        "raw": {"trials": trials, "cap_bytes": cap},
         "notes": [
             "Saved activations are what autograd keeps for backward (raymp's ActivationMeter), the largest "
             "rank's; the planner's estimate is its per-rank activation figure for the same layout.",

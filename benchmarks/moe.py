@@ -21,7 +21,9 @@ PLANNED = {"dp2 ZeRO-1": dict(dp=2, zero=1), "pp2 1F1B": dict(dp=1, pp=2),
 def _cfg(name: str, out: str, preset: str, steps: int, layout: dict) -> dict:
     layout = dict(layout)
     dp, pp, zero = layout.pop("dp"), layout.pop("pp", 1), layout.pop("zero", 0)
-    cfg = run_config(name, out, preset=preset, steps=steps, global_batch=16, seq_len=128, dp=dp, pp=pp, zero=zero)
+    cfg = run_config(
+        name, out, preset=preset, steps=steps, global_batch=16, seq_len=128, dp=dp, pp=pp, zero=zero
+    )
     cfg["parallel"].update(layout)
     return cfg
 
@@ -56,22 +58,40 @@ def measure(opts) -> dict:
             runs = {dense: [], moe: []}
             for _ in range(opts.reps):  # interleaved rounds: drift lands on both alike
                 for preset in (dense, moe):
-                    runs[preset].append(_fit(_cfg(f"{preset}-{layout_name}", out, preset, steps, layout), groups[world]))
+                    runs[preset].append(
+                        _fit(_cfg(f"{preset}-{layout_name}", out, preset, steps, layout), groups[world])
+                    )
             ref = train_single_process(config_from_dict(_cfg("ref", out, moe, steps, layout)))[0]
             tokens = 16 * 128
-            mean = {p: statistics.median(window(r["step_times"])["mean"] for r in rs) for p, rs in runs.items()}
+            mean = {
+                p: statistics.median(window(r["step_times"])["mean"] for r in rs) for p, rs in runs.items()
+            }
             last = runs[moe][-1]
             args = model_args(config_from_dict(_cfg("args", out, moe, steps, layout)).model, 256)
             dense_args = model_args(config_from_dict(_cfg("args", out, dense, steps, layout)).model, 256)
             gap = max(abs(a - b) / abs(b) for a, b in zip(last["losses"], ref))
-            rows.append([moe, f"{args.num_params / 1e6:.2f}M / {args.active_params / 1e6:.2f}M",
-                         f"{args.active_params / dense_args.num_params:.2f}", layout_name,
-                         f"{tokens / mean[dense]:,.0f}", f"{tokens / mean[moe]:,.0f}", f"{mean[moe] / mean[dense]:.2f}x",
-                         f"{last['imbalance'][0]:.2f} -> {last['imbalance'][-1]:.2f}", f"{last['aux'][-1]:.4f}",
-                         f"{last['losses'][-1]:.4f}", f"{gap:.1e}"])
-            raw[f"{moe} {layout_name}"] = {"runs": runs, "reference_losses": ref,
-                                           "step_mean_s": {p: spread(window(r["step_times"])["mean"] for r in rs)
-                                                           for p, rs in runs.items()}}
+            rows.append(
+                [
+                    moe,
+                    f"{args.num_params / 1e6:.2f}M / {args.active_params / 1e6:.2f}M",
+                    f"{args.active_params / dense_args.num_params:.2f}",
+                    layout_name,
+                    f"{tokens / mean[dense]:,.0f}",
+                    f"{tokens / mean[moe]:,.0f}",
+                    f"{mean[moe] / mean[dense]:.2f}x",
+                    f"{last['imbalance'][0]:.2f} -> {last['imbalance'][-1]:.2f}",
+                    f"{last['aux'][-1]:.4f}",
+                    f"{last['losses'][-1]:.4f}",
+                    f"{gap:.1e}",
+                ]
+            )
+            raw[f"{moe} {layout_name}"] = {
+                "runs": runs,
+                "reference_losses": ref,
+                "step_mean_s": {
+                    p: spread(window(r["step_times"])["mean"] for r in rs) for p, rs in runs.items()
+                },
+            }
     planned = []
     for name, layout in PLANNED.items():
         run = _fit(_cfg(f"plan-{name}", out, "small-moe", 2, layout), groups[2])
@@ -84,19 +104,36 @@ def measure(opts) -> dict:
     ray.shutdown()
     return {
         "title": "11. Mixture of experts: cost per token, routing, planner memory",
-        "setup": (f"Each MoE preset and the dense preset with its attention, global batch 16 x 128 byte tokens, "
-                  f"fp32, {opts.steps} timed steps after 2 warm-up ones, {opts.reps} interleaved rounds (median of "
-                  "the rounds' mean step), 1 CPU per actor. Routing is the MoE run's last round: the worst "
-                  "block's busiest expert over the mean (1.00 = balanced) at the first and last step, and the "
-                  "summed balance loss at the last. Loss gap: the MoE run against one process "
-                  "(`raymp.reference`), largest relative difference over the steps."),
-        "columns": ["MoE model", "params / active", "active / dense params", "layout", "dense tok/s", "MoE tok/s", "MoE step / dense step",
-                    "imbalance (max/mean)", "balance loss", "final loss", "loss gap vs one process"],
+        "setup": (
+            f"Each MoE preset and the dense preset with its attention, global batch 16 x 128 byte tokens, "
+            f"fp32, {opts.steps} timed steps after 2 warm-up ones, {opts.reps} interleaved rounds (median of "
+            "the rounds' mean step), 1 CPU per actor. Routing is the MoE run's last round: the worst "
+            "block's busiest expert over the mean (1.00 = balanced) at the first and last step, and the "
+            "summed balance loss at the last. Loss gap: the MoE run against one process "
+            "(`raymp.reference`), largest relative difference over the steps."
+        ),
+        "columns": [
+            "MoE model",
+            "params / active",
+            "active / dense params",
+            "layout",
+            "dense tok/s",
+            "MoE tok/s",
+            "MoE step / dense step",
+            "imbalance (max/mean)",
+            "balance loss",
+            "final loss",
+            "loss gap vs one process",
+        ],
         "rows": rows,
-        "extra_tables": [{"caption": "Planner memory estimate against measured (model state + saved "
-                                    "activations, largest rank, small-moe, 2 steps)",
-                          "columns": ["run", "measured (MiB)", "planner (MiB)", "planner - measured"],
-                          "rows": planned}],
+        "extra_tables": [
+            {
+                "caption": "Planner memory estimate against measured (model state + saved "
+                "activations, largest rank, small-moe, 2 steps)",
+                "columns": ["run", "measured (MiB)", "planner (MiB)", "planner - measured"],
+                "rows": planned,
+            }
+        ],
         "raw": raw,
         "notes": [
             "Expert parallelism is not built, so there is no ep1 / ep2 / ep4 comparison and no all-to-all "

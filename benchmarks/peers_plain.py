@@ -72,8 +72,11 @@ def _plain_dp_main(rank: int, world: int, port: int, cfg_dict: dict, vocab_size:
     cfg, model, optimizer, scheduler, autocast = model_and_optimizer(cfg_dict, vocab_size, mode, device)
     ends, losses = [], []
     for tokens in batches:
-        losses.append(train_step(model, optimizer, scheduler, np.array_split(tokens, world)[rank], cfg, device,
-                                 autocast))
+        losses.append(
+            train_step(
+                model, optimizer, scheduler, np.array_split(tokens, world)[rank], cfg, device, autocast
+            )
+        )
         ends.append(time.time())
     results.put((rank, ends, losses))
     dist.destroy_process_group()

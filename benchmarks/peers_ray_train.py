@@ -115,8 +115,15 @@ def recovery_loop(config: dict) -> None:
         if (step + 1) % every == 0:
             with tempfile.TemporaryDirectory() as d:
                 if rank == 0:
-                    torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                                "scheduler": scheduler.state_dict(), "step": step + 1}, os.path.join(d, "state.pt"))
+                    torch.save(
+                        {
+                            "model": model.module.state_dict(),
+                            "optimizer": optimizer.state_dict(),
+                            "scheduler": scheduler.state_dict(),
+                            "step": step + 1,
+                        },
+                        os.path.join(d, "state.pt"),
+                    )
                 ray.train.report({"step": step + 1},
                                  checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 else None)
 

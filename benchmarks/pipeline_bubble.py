@@ -63,7 +63,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     args = parser.parse_args()
 
-    ray.init(address="local", num_cpus=max(PP, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local", num_cpus=max(PP, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False
+    )
     group = ActorGroup(PP, "cpu", cpus_per_actor=1, placement_timeout_s=120, collective_timeout_s=300)
     results = {}
     with tempfile.TemporaryDirectory() as out_dir:
@@ -87,8 +89,10 @@ def main() -> None:
     print("-" * (7 + len(header)))
     for m in MICRO_BATCHES:
         g, f = results["gpipe", m], results["1f1b", m]
-        cells = " | ".join(f"{g['act_mib'][s]:>10.1f} / {f['act_mib'][s]:>5.1f}".ljust(len("stage 0: GPipe / 1F1B"))
-                           for s in range(PP))
+        cells = " | ".join(
+            f"{g['act_mib'][s]:>10.1f} / {f['act_mib'][s]:>5.1f}".ljust(len("stage 0: GPipe / 1F1B"))
+            for s in range(PP)
+        )
         print(f"{m:>4} | {cells}")
 
 

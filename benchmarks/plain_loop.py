@@ -29,7 +29,11 @@ def model_and_optimizer(cfg_dict: dict, vocab_size: int, mode: str, device):
     if mode == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
+        kwargs = (
+            {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+            if bf16
+            else {}
+        )
         for name in spec.block_names(model):
             fully_shard(model.get_submodule(name), **kwargs)
         fully_shard(model, **kwargs)

@@ -83,10 +83,15 @@ def _layouts(out: str, common: dict, global_batch: int):
 
     for name, parallel in LAYOUTS.items():
         extra = {k: v for k, v in parallel.items() if k not in ("dp", "pp", "zero", "micro_batch_size")}
-        run = run_config(f"planner-{name}-{global_batch}", out,
-                         **{**common, "global_batch": global_batch, "micro_batch": parallel.get("micro_batch_size", 4)},
-                         dp=parallel.get("dp", 1), pp=parallel.get("pp", 1), zero=parallel.get("zero", 0),
-                         parallel=extra)
+        run = run_config(
+            f"planner-{name}-{global_batch}",
+            out,
+            **{**common, "global_batch": global_batch, "micro_batch": parallel.get("micro_batch_size", 4)},
+            dp=parallel.get("dp", 1),
+            pp=parallel.get("pp", 1),
+            zero=parallel.get("zero", 0),
+            parallel=extra,
+        )
         yield name, run, config_from_dict(run).parallel.layout
 
 
@@ -137,9 +142,18 @@ def measure(opts) -> dict:
         est_cal.append(est["step_s"])
         measured.append(got)
         comm = est["step_s"] - est["compute_s"]
-        rows.append([name, f"{before * 1e3:.0f}", f"{est['step_s'] * 1e3:.0f}", f"{comm * 1e3:.0f}",
-                     f"{got * 1e3:.0f}", f"{(before - got) / got:+.0%}", f"{(est['step_s'] - got) / got:+.0%}",
-                     f"{loss:.4f}"])
+        rows.append(
+            [
+                name,
+                f"{before * 1e3:.0f}",
+                f"{est['step_s'] * 1e3:.0f}",
+                f"{comm * 1e3:.0f}",
+                f"{got * 1e3:.0f}",
+                f"{(before - got) / got:+.0%}",
+                f"{(est['step_s'] - got) / got:+.0%}",
+                f"{loss:.4f}",
+            ]
+        )
     group.shutdown()
     ray.shutdown()
     for row, a, b, c in zip(rows, _ranks(est_priced), _ranks(est_cal), _ranks(measured)):
@@ -153,21 +167,41 @@ def measure(opts) -> dict:
     factor_text = ", ".join(f"{k} {v:.1f}" for k, v in factors.items())
     return {
         "title": "9. Planner: estimated vs measured step time, world-2 layouts",
-        "setup": (f"model `small`, global batch {GLOBAL_BATCH} x {SEQ_LEN} tokens, fp32, 2 CPU actors x 1 thread, "
-                  f"median of steps 3..{steps}. Priced: one actor alone trains at {flops_per_s / 1e9:.1f} GFLOP/s "
-                  f"({single_s * 1e3:.0f} ms per step); gloo between two actors: {gbps:.2f} GB/s, "
-                  f"{latency * 1e6:.0f} us per small message. Calibrated: the same, with each mechanism's cost "
-                  f"factor measured on the same layouts at global batch {CALIBRATION_BATCH} (not the judged runs): "
-                  f"{factor_text}. Priced: {summary(est_priced)}. Calibrated: {summary(est_cal)}."),
-        "columns": ["layout", "priced estimate (ms)", "calibrated estimate (ms)", "of which communication (ms)",
-                    "measured (ms)", "error priced", "error calibrated", "rank priced", "rank calibrated",
-                    "rank measured", "final loss"],
+        "setup": (
+            f"model `small`, global batch {GLOBAL_BATCH} x {SEQ_LEN} tokens, fp32, 2 CPU actors x 1 thread, "
+            f"median of steps 3..{steps}. Priced: one actor alone trains at {flops_per_s / 1e9:.1f} GFLOP/s "
+            f"({single_s * 1e3:.0f} ms per step); gloo between two actors: {gbps:.2f} GB/s, "
+            f"{latency * 1e6:.0f} us per small message. Calibrated: the same, with each mechanism's cost "
+            f"factor measured on the same layouts at global batch {CALIBRATION_BATCH} (not the judged runs): "
+            f"{factor_text}. Priced: {summary(est_priced)}. Calibrated: {summary(est_cal)}."
+        ),
+        "columns": [
+            "layout",
+            "priced estimate (ms)",
+            "calibrated estimate (ms)",
+            "of which communication (ms)",
+            "measured (ms)",
+            "error priced",
+            "error calibrated",
+            "rank priced",
+            "rank calibrated",
+            "rank measured",
+            "final loss",
+        ],
         "rows": rows,
-        "raw": {"priced_s": dict(zip(LAYOUTS, est_priced)), "calibrated_s": dict(zip(LAYOUTS, est_cal)),
-                "measured_s": dict(zip(LAYOUTS, measured)),
-                "calibration": {"flops_per_s": flops_per_s, "gbps": gbps, "latency_s": latency,
-                                "single_step_s": single_s, "cost_factors": factors,
-                                "calibration_steps_s": {n: m for n, (_, _, m) in zip(LAYOUTS, samples)}}},
+        "raw": {
+            "priced_s": dict(zip(LAYOUTS, est_priced)),
+            "calibrated_s": dict(zip(LAYOUTS, est_cal)),
+            "measured_s": dict(zip(LAYOUTS, measured)),
+            "calibration": {
+                "flops_per_s": flops_per_s,
+                "gbps": gbps,
+                "latency_s": latency,
+                "single_step_s": single_s,
+                "cost_factors": factors,
+                "calibration_steps_s": {n: m for n, (_, _, m) in zip(LAYOUTS, samples)},
+            },
+        },
         "notes": [
             "Priced is the planner as it prices any cluster: compute as FLOPs at one rate for every layout, the "
             "pipeline bubble by schedule, each collective by bytes over bandwidth plus a per-message latency. "

@@ -16,8 +16,11 @@ import numpy as np
 from benchmarks.common import global_batches, run_config, window
 
 # Sizes: the presets, and a ~50M shape (the `small` preset widened and deepened).
-MODELS = {"tiny": {"preset": "tiny"}, "small": {"preset": "small"},
-          "50M": {"preset": "small", "dim": 640, "n_layers": 10, "n_heads": 10, "n_kv_heads": 5, "ffn_dim": 1728}}
+MODELS = {
+    "tiny": {"preset": "tiny"},
+    "small": {"preset": "small"},
+    "50M": {"preset": "small", "dim": 640, "n_layers": 10, "n_heads": 10, "n_kv_heads": 5, "ffn_dim": 1728},
+}
 PHASES = ("data", "forward + backward", "clip (grad norm)", "optimizer step", "rest")
 
 
@@ -92,7 +95,10 @@ class _Rank:
         # Hooks, not a wrapper: the scheduler checks that optimizer.step was not replaced.
         w.engine.optimizer.register_step_pre_hook(lambda *_: began.update(t=time.perf_counter()))
         w.engine.optimizer.register_step_post_hook(
-            lambda *_: now.update({"optimizer step": now.get("optimizer step", 0.0) + time.perf_counter() - began["t"]}))
+            lambda *_: now.update(
+                {"optimizer step": now.get("optimizer step", 0.0) + time.perf_counter() - began["t"]}
+            )
+        )
         times, losses = [], []
         for step in range(len(batches)):
             now.clear()
@@ -100,7 +106,9 @@ class _Rank:
             report = w.train_step(step)
             times.append(time.perf_counter() - t)
             losses.append(report.loss)
-            phases.append({**{k: now.get(k, 0.0) for k in PHASES[:-1]}, "rest": times[-1] - sum(now.values())})
+            phases.append(
+                {**{k: now.get(k, 0.0) for k in PHASES[:-1]}, "rest": times[-1] - sum(now.values())}
+            )
         return {"step_times": times, "losses": losses}
 
     def close(self) -> None:
@@ -133,34 +141,63 @@ def measure(opts) -> dict:
         gap = max(abs(a - b) / abs(b) for r, p in zip(runs["raymp"], runs["plain"])
                   for a, b in zip(r["losses"], p["losses"]))
         s, p = stats["raymp"], stats["plain"]
-        rows.append([label, f"{cfg.train.global_batch_size} x 128",
-                     f"{p['mean'] * 1e3:.1f}", f"{s['mean'] * 1e3:.1f}", f"{s['mean'] / p['mean']:.3f}x",
-                     f"{s['median'] / p['median']:.3f}x", f"{p['tail']:.2f}", f"{s['tail']:.2f}", f"{gap:.1e}"])
+        rows.append(
+            [
+                label,
+                f"{cfg.train.global_batch_size} x 128",
+                f"{p['mean'] * 1e3:.1f}",
+                f"{s['mean'] * 1e3:.1f}",
+                f"{s['mean'] / p['mean']:.3f}x",
+                f"{s['median'] / p['median']:.3f}x",
+                f"{p['tail']:.2f}",
+                f"{s['tail']:.2f}",
+                f"{gap:.1e}",
+            ]
+        )
         # Phases of every timed step (the first two of each run dropped, as in the window).
         timed = {k: [x for i, x in enumerate(v) if i % steps >= 2] for k, v in phases.items()}
-        breakdown[label] = {k: {ph: statistics.fmean(x[ph] for x in v) for ph in PHASES} for k, v in timed.items()}
+        breakdown[label] = {
+            k: {ph: statistics.fmean(x[ph] for x in v) for ph in PHASES} for k, v in timed.items()
+        }
         raw[label] = {k: [r["step_times"] for r in rs] for k, rs in runs.items()}
     rank.close()
     phase_rows = [[label, who] + [f"{b[who][ph] * 1e3:.1f}" for ph in PHASES]
                   for label, b in breakdown.items() for who in ("plain", "raymp")]
     return {
         "title": "10. A rank's step vs a plain loop",
-        "setup": (f"One process, one thread: raymp's per-rank code (`Worker.train_step` on a one-rank gloo group: "
-                  f"no Ray, no driver) and a plain torch loop of the same model, same batches, fp32, {steps} steps "
-                  f"per run, the first two dropped, {opts.reps} interleaved rounds. Every ratio is of means over the "
-                  "whole timed window (slow steps included); the median ratio and each side's p95 / median "
-                  "(its slow tail) beside it."),
-        "columns": ["model", "batch", "plain loop step (ms, mean)", "raymp rank step (ms, mean)",
-                    "raymp / plain (mean)", "raymp / plain (median)", "plain p95 / median",
-                    "raymp p95 / median", "max loss gap"],
+        "setup": (
+            f"One process, one thread: raymp's per-rank code (`Worker.train_step` on a one-rank gloo group: "
+            f"no Ray, no driver) and a plain torch loop of the same model, same batches, fp32, {steps} steps "
+            f"per run, the first two dropped, {opts.reps} interleaved rounds. Every ratio is of means over the "
+            "whole timed window (slow steps included); the median ratio and each side's p95 / median "
+            "(its slow tail) beside it."
+        ),
+        "columns": [
+            "model",
+            "batch",
+            "plain loop step (ms, mean)",
+            "raymp rank step (ms, mean)",
+            "raymp / plain (mean)",
+            "raymp / plain (median)",
+            "plain p95 / median",
+            "raymp p95 / median",
+            "max loss gap",
+        ],
         "rows": rows,
-        "extra_tables": [{"caption": "Where a step's time goes (ms, mean of the timed window; raymp's 'rest' is "
-                                     "the scheduler, the report and what the worker does around the phases, "
-                                     "its memory measurement on the steps that take one)",
-                          "columns": ["model", "loop", *PHASES], "rows": phase_rows}],
-        "notes": ["The loss column is the largest relative gap between the two loops' per-step losses: both "
-                  "trained the same thing.",
-                  "Data: the plain loop turns a NumPy batch into a tensor; raymp's rank reads a fixed batch "
-                  "here (its Ray Data stream in a run prefetches on a thread of its own)."],
+        "extra_tables": [
+            {
+                "caption": "Where a step's time goes (ms, mean of the timed window; raymp's 'rest' is "
+                "the scheduler, the report and what the worker does around the phases, "
+                "its memory measurement on the steps that take one)",
+                "columns": ["model", "loop", *PHASES],
+                "rows": phase_rows,
+            }
+        ],
+        "notes": [
+            "The loss column is the largest relative gap between the two loops' per-step losses: both "
+            "trained the same thing.",
+            "Data: the plain loop turns a NumPy batch into a tensor; raymp's rank reads a fixed batch "
+            "here (its Ray Data stream in a run prefetches on a thread of its own).",
+        ],
         "raw": raw,
     }

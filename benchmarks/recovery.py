@@ -115,7 +115,9 @@ def checkpoint_cost(root: str, model: str, steps: int, every: int, rounds: int) 
                 directory = f"{root}/cost-{model}-{r}-{name.replace(' ', '-')}"
                 ckpt = dict(ckpt)
                 peer = {"peer_copy_every": ckpt.pop("peer_copy_every", 0)}
-                cfg = config(root, model, steps, checkpoint={**ckpt, "dir": directory, "keep_last": 1}, elastic=peer)
+                cfg = config(
+                    root, model, steps, checkpoint={**ckpt, "dir": directory, "keep_last": 1}, elastic=peer
+                )
                 with Trainer(cfg, actor_group=group, progress=False) as t:
                     h = t.fit()
                     blocked[name] += t.session.launcher.peer_copies.blocked_s
@@ -151,7 +153,9 @@ def main() -> None:
     cluster.resize(2, 3)
     try:
         rec = [recovery(cluster, root, m, args.steps) for m in args.models]
-        cost = [row for m in args.models for row in checkpoint_cost(root, m, args.steps, args.every, args.rounds)]
+        cost = [
+            row for m in args.models for row in checkpoint_cost(root, m, args.steps, args.every, args.rounds)
+        ]
     finally:
         cluster.shutdown()
         shutil.rmtree(root, ignore_errors=True)
@@ -168,7 +172,9 @@ def main() -> None:
     for c in cost:
         stall = "-" if c["stall_s"] is None else f"{c['stall_s']:.3f}"
         extra = f"{c['blocked_s']:.3f} | {c['size_mb']:.1f}" if c["size_mb"] else "- | -"
-        print(f"| {c['model']} | {c['mode']} | {c['step_s']:.3f} | {c['ratio']:.2f}x | {in_run_text(c)} | {stall} | {extra} |")
+        print(
+            f"| {c['model']} | {c['mode']} | {c['step_s']:.3f} | {c['ratio']:.2f}x | {in_run_text(c)} | {stall} | {extra} |"
+        )
 
 
 def in_run_text(row: dict) -> str:

@@ -27,13 +27,34 @@ if __package__ in (None, ""):  # `python benchmarks/run_all.py` works too
 from benchmarks.common import REPO, importable_benchmarks, machine, peak_tflops_of  # noqa: E402
 from benchmarks.gpu_check import existing_section, replace_section  # noqa: E402
 
-SECTIONS = ("dp", "orchestration", "pipeline", "memory", "elastic", "scale", "driver", "long_context", "planner", "rank_step", "moe")
+SECTIONS = (
+    "dp",
+    "orchestration",
+    "pipeline",
+    "memory",
+    "elastic",
+    "scale",
+    "driver",
+    "long_context",
+    "planner",
+    "rank_step",
+    "moe",
+)
 
 
-_WHERE = {"rank_step": "rank_step:measure", "dp": "sections:data_parallel", "orchestration": "sections:orchestration", "pipeline": "sections:pipeline",
-          "memory": "sections:memory", "elastic": "elastic:measure", "scale": "scale:measure",
-          "driver": "driver_overhead:measure", "long_context": "long_context:measure",
-          "planner": "planner_check:measure", "moe": "moe:measure"}
+_WHERE = {
+    "rank_step": "rank_step:measure",
+    "dp": "sections:data_parallel",
+    "orchestration": "sections:orchestration",
+    "pipeline": "sections:pipeline",
+    "memory": "sections:memory",
+    "elastic": "elastic:measure",
+    "scale": "scale:measure",
+    "driver": "driver_overhead:measure",
+    "long_context": "long_context:measure",
+    "planner": "planner_check:measure",
+    "moe": "moe:measure",
+}
 
 
 def _section(name: str):
@@ -50,12 +71,20 @@ def _options(argv=None):
     parser.add_argument("--only", nargs="+", choices=SECTIONS, help="run these sections only")
     parser.add_argument("--out", default=os.path.join(REPO, "BENCHMARKS.md"))
     parser.add_argument("--steps", type=int, default=None, help="steps per timed run (default 10; quick 5)")
-    parser.add_argument("--reps", type=int, default=None, help="interleaved rounds per comparison (default 3; quick 1)")
+    parser.add_argument(
+        "--reps", type=int, default=None, help="interleaved rounds per comparison (default 3; quick 1)"
+    )
     parser.add_argument("--gpu-preset", default="gpt2-124m")
     parser.add_argument("--gpus", type=int, default=None, help="GPU mode: ranks (default: every visible GPU)")
-    parser.add_argument("--peak-tflops", type=float, default=None,
-                        help="GPU mode: dense bf16 peak per GPU for MFU (default: looked up from the GPU's name)")
-    parser.add_argument("--memory-cap-mib", type=int, default=512, help="scale: per-actor cap on resident memory")
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="GPU mode: dense bf16 peak per GPU for MFU (default: looked up from the GPU's name)",
+    )
+    parser.add_argument(
+        "--memory-cap-mib", type=int, default=512, help="scale: per-actor cap on resident memory"
+    )
     parser.add_argument("--long-cap-mib", type=int, default=256,
                         help="long_context: per-actor cap on resident memory (small: the tiny model's long "
                              "sequences must meet it before attention's quadratic time does)")
@@ -91,9 +120,23 @@ def _run_section(name: str, opts, results_dir: str) -> dict:
             result = json.load(f)
         result["kept"] = True
         return result
-    argv = [sys.executable, "-m", "benchmarks.run_all", "--section", name, "--json", path,
-            "--steps", str(opts.steps), "--reps", str(opts.reps), "--memory-cap-mib", str(opts.memory_cap_mib),
-            "--long-cap-mib", str(opts.long_cap_mib)]
+    argv = [
+        sys.executable,
+        "-m",
+        "benchmarks.run_all",
+        "--section",
+        name,
+        "--json",
+        path,
+        "--steps",
+        str(opts.steps),
+        "--reps",
+        str(opts.reps),
+        "--memory-cap-mib",
+        str(opts.memory_cap_mib),
+        "--long-cap-mib",
+        str(opts.long_cap_mib),
+    ]
     if opts.quick:
         argv.append("--quick")
     if opts.gpu:
@@ -116,17 +159,22 @@ def _run_section(name: str, opts, results_dir: str) -> dict:
 
 def _markdown(results: list[dict], info: dict, opts, command: str, results_dir: str) -> str:
     lines = [
-        "# Benchmarks: raymp side by side with its peers", "",
+        "# Benchmarks: raymp side by side with its peers",
+        "",
         f"Produced by `{command}` on {info['date']}; nothing in this file is typed by hand. The raw numbers "
         f"behind every median (each repetition, each step) were written to `{os.path.relpath(results_dir, REPO)}/` "
-        "(kept out of git; re-run the command to get your own).", "",
-        "| machine | |", "|---|---|",
+        "(kept out of git; re-run the command to get your own).",
+        "",
+        "| machine | |",
+        "|---|---|",
         f"| CPU | {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB |",
         f"| GPU | {info['gpu'] or 'none'} |",
         f"| software | Python {info['python']}, torch {info['torch']}, Ray {info['ray']}, raymp {info['raymp']} |",
-        f"| OS | {info['os']} |", "",
+        f"| OS | {info['os']} |",
+        "",
         "Timings on a shared 2-core machine are noisy: compare the ratios measured side by side in one run "
-        "(rounds are interleaved), not absolute numbers across runs.", "",
+        "(rounds are interleaved), not absolute numbers across runs.",
+        "",
     ]
     for r in results:
         lines += _section_lines(r)
@@ -161,7 +209,9 @@ def main(argv=None) -> None:
         return
     names = opts.only or (["dp"] if opts.gpu else list(SECTIONS))
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    results_dir = os.path.abspath(opts.resume) if opts.resume else os.path.join(REPO, "benchmarks", "results", stamp)
+    results_dir = (
+        os.path.abspath(opts.resume) if opts.resume else os.path.join(REPO, "benchmarks", "results", stamp)
+    )
     os.makedirs(results_dir, exist_ok=True)
     results = [_run_section(name, opts, results_dir) for name in names]
     info = {**machine(), "date": datetime.date.today().isoformat()}

@@ -28,7 +28,18 @@ from benchmarks.common import run_config
 
 # (dim, layers): the built-in Llama-style decoder; heads of 64, GQA 2:1 (1:1 for an odd head count),
 # SwiGLU width ~8/3 dim.
-LADDER = [(256, 8), (384, 8), (448, 8), (512, 8), (640, 12), (768, 12), (896, 12), (1024, 12), (1024, 16), (1280, 16)]
+LADDER = [
+    (256, 8),
+    (384, 8),
+    (448, 8),
+    (512, 8),
+    (640, 12),
+    (768, 12),
+    (896, 12),
+    (1024, 12),
+    (1024, 16),
+    (1280, 16),
+]
 
 
 class CappedWorker(Worker):
@@ -44,7 +55,9 @@ class CappedWorker(Worker):
     def _watch(self) -> None:
         while True:
             if status_kib("VmRSS") * 1024 > self._limit:
-                print(f"memory cap: resident memory passed {self._limit / 2**20:.0f} MiB, stopping", flush=True)
+                print(
+                    f"memory cap: resident memory passed {self._limit / 2**20:.0f} MiB, stopping", flush=True
+                )
                 os._exit(137)
             time.sleep(0.005)
 
@@ -96,8 +109,14 @@ def capped_fit(cfg: dict, world: int, cap: int, measure_more=None) -> dict:
         loss = history[-1]["loss"]
         over = max(peaks) > cap
         ok = math.isfinite(loss) and not over
-        result = {"trains": ok, "loss": loss, "step_s": history[-1]["step_time_s"], "peak_over_base": max(peaks),
-                  "why": None if ok else "peak RSS over the cap" if over else f"loss {loss}", **more}
+        result = {
+            "trains": ok,
+            "loss": loss,
+            "step_s": history[-1]["step_time_s"],
+            "peak_over_base": max(peaks),
+            "why": None if ok else "peak RSS over the cap" if over else f"loss {loss}",
+            **more,
+        }
     except Exception as exc:  # the cap refused an allocation: this is the measurement, not an error
         result = {"trains": False, "why": first_line(exc)}
     finally:
@@ -119,13 +138,15 @@ def unsharded_note(one: dict, eight: dict, cap_mib: int) -> str:
     target = 7 * one["params"]  # the goal; blocks grow with the model's share of them
     block7 = block8 * target / eight["params"]
     need7 = target * 16 / 8 / mib + block7 + rest8
-    return (f"In numbers (per rank, at the largest size each side trains): 1 actor, {one['params'] / 1e6:.1f}M: "
-            f"model state {state1:.0f} MiB, the rest {rest1:.0f} MiB. 8 actors, {eight['params'] / 1e6:.1f}M: "
-            f"sharded state {state8:.0f} MiB, one gathered block and its gradient {block8:.0f} MiB, the rest "
-            f"{rest8:.0f} MiB. 7x the one-actor model ({target / 1e6:.1f}M) would need about "
-            f"{target * 16 / 8 / mib:.0f} + {block7:.0f} + {rest8:.0f} = {need7:.0f} MiB per rank against the "
-            f"{cap_mib} MiB cap: the part ZeRO-3 cannot shard leaves too little room under a cap this small "
-            "(on an 80 GB GPU it is a rounding error).")
+    return (
+        f"In numbers (per rank, at the largest size each side trains): 1 actor, {one['params'] / 1e6:.1f}M: "
+        f"model state {state1:.0f} MiB, the rest {rest1:.0f} MiB. 8 actors, {eight['params'] / 1e6:.1f}M: "
+        f"sharded state {state8:.0f} MiB, one gathered block and its gradient {block8:.0f} MiB, the rest "
+        f"{rest8:.0f} MiB. 7x the one-actor model ({target / 1e6:.1f}M) would need about "
+        f"{target * 16 / 8 / mib:.0f} + {block7:.0f} + {rest8:.0f} = {need7:.0f} MiB per rank against the "
+        f"{cap_mib} MiB cap: the part ZeRO-3 cannot shard leaves too little room under a cap this small "
+        "(on an 80 GB GPU it is a rounding error)."
+    )
 
 
 def first_line(exc: Exception) -> str:
@@ -161,14 +182,24 @@ def measure(opts) -> dict:
                if one and eight else "A ladder end was reached before a failure; see the rows.")
     return {
         "title": "6. Scale: largest built-in model, 1 actor vs 8 actors, same per-actor memory cap",
-        "setup": (f"Per-actor cap: {opts.memory_cap_mib} MiB of resident memory above the actor's size after "
-                  "start-up (a watchdog stops a rank that passes it; the kernel's peak-RSS mark is checked "
-                  "after). fp32, AdamW, global batch 8, seq_len 64, "
-                  f"micro-batch 1, byte vocabulary, {opts.scale_steps} steps. 1 actor: plain (ZeRO 0); 8 actors: "
-                  "dp=8 ZeRO-3 (FSDP2). Every try on fresh actors. " + summary),
-        "columns": ["actors", "model", "parameters", "trains", "peak new memory (MiB)", "step (s)",
-                    "why not"],
-        "rows": rows, "raw": {"trials": trials, "cap_bytes": cap},
+        "setup": (
+            f"Per-actor cap: {opts.memory_cap_mib} MiB of resident memory above the actor's size after "
+            "start-up (a watchdog stops a rank that passes it; the kernel's peak-RSS mark is checked "
+            "after). fp32, AdamW, global batch 8, seq_len 64, "
+            f"micro-batch 1, byte vocabulary, {opts.scale_steps} steps. 1 actor: plain (ZeRO 0); 8 actors: "
+            "dp=8 ZeRO-3 (FSDP2). Every try on fresh actors. " + summary
+        ),
+        "columns": [
+            "actors",
+            "model",
+            "parameters",
+            "trains",
+            "peak new memory (MiB)",
+            "step (s)",
+            "why not",
+        ],
+        "rows": rows,
+        "raw": {"trials": trials, "cap_bytes": cap},
         "notes": [
             "The memory column is the largest rank's peak resident memory (VmHWM) minus its size when the "
             "cap was set: what counted against the cap, allocator caching and Ray Data's reader included.",

@@ -56,7 +56,12 @@ def data_parallel(opts) -> dict:
     same loop in plain torch processes, at dp=2 and dp=4 (GPU mode: every GPU), interleaved rounds."""
     gpu = opts.gpu
     worlds = [opts.gpus] if gpu else [2, 4]
-    ray.init(address="local", num_cpus=None if gpu else 2 * max(worlds), include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=None if gpu else 2 * max(worlds),
+        include_dashboard=False,
+        log_to_driver=False,
+    )
     rows, raw = [], {}
     for world in worlds:
         section_rows, raw[f"dp{world}"] = _data_parallel_at(world, opts)
@@ -70,12 +75,19 @@ def data_parallel(opts) -> dict:
     shape = _dp_shape(opts, worlds[0])
     return {
         "title": "1. Data parallel: raymp vs Ray Train TorchTrainer" + (" (GPU)" if gpu else ""),
-        "setup": (f"dp={' and '.join(map(str, worlds))}, model `{shape['preset']}`, seq_len {shape['seq_len']}, "
-                  f"{shape['global_batch'] // worlds[0]} sequences per rank per step (one micro-batch), {opts.steps} "
-                  f"steps per run, the first two dropped, {opts.reps} interleaved rounds pooled; "
-                  + ("bf16, NCCL." if gpu else f"fp32, gloo, ranks x 1 thread, {cpus} CPU each (oversubscribed at dp=4 "
-                     "on 2 cores).")),
-        "columns": columns, "rows": rows, "raw": raw,
+        "setup": (
+            f"dp={' and '.join(map(str, worlds))}, model `{shape['preset']}`, seq_len {shape['seq_len']}, "
+            f"{shape['global_batch'] // worlds[0]} sequences per rank per step (one micro-batch), {opts.steps} "
+            f"steps per run, the first two dropped, {opts.reps} interleaved rounds pooled; "
+            + (
+                "bf16, NCCL."
+                if gpu
+                else f"fp32, gloo, ranks x 1 thread, {cpus} CPU each (oversubscribed at dp=4 " "on 2 cores)."
+            )
+        ),
+        "columns": columns,
+        "rows": rows,
+        "raw": raw,
         "notes": [
             "Every ratio is of mean step times over the whole timed window (slow steps included), as throughput: "
             "> 1 means raymp trained faster. raymp's step time is the driver's (one remote call per rank per step, "
@@ -94,8 +106,11 @@ def data_parallel(opts) -> dict:
 
 
 def _dp_shape(opts, world: int) -> dict:
-    return dict(preset=opts.gpu_preset, seq_len=1024, global_batch=8 * world, device="cuda", precision="bf16") \
-        if opts.gpu else dict(preset="small", seq_len=128, global_batch=8 * world)
+    return (
+        dict(preset=opts.gpu_preset, seq_len=1024, global_batch=8 * world, device="cuda", precision="bf16")
+        if opts.gpu
+        else dict(preset="small", seq_len=128, global_batch=8 * world)
+    )
 
 
 def _data_parallel_at(world: int, opts) -> tuple[list[list], dict]:
@@ -108,11 +123,24 @@ def _data_parallel_at(world: int, opts) -> tuple[list[list], dict]:
     cpus = 4 if gpu else 0.5  # CPU: single-threaded ranks on the machine's cores (oversubscribed on 2)
     shape = _dp_shape(opts, world)
     out = tempfile.mkdtemp(prefix="raymp-bench-dp-")
-    configs = {z: run_config(f"dp{world}-zero{z}", out, dp=world, zero=z, steps=opts.steps, cpus_per_actor=cpus,
-                             **shape) for z in (0, 3)}
+    configs = {
+        z: run_config(
+            f"dp{world}-zero{z}", out, dp=world, zero=z, steps=opts.steps, cpus_per_actor=cpus, **shape
+        )
+        for z in (0, 3)
+    }
     # Both sides compiled the same way (each block, torchtitan's regional compile) with fused AdamW.
-    configs["compiled"] = run_config(f"dp{world}-compiled", out, dp=world, zero=0, steps=opts.steps,
-                                     cpus_per_actor=cpus, train={"compile": True}, optimizer={"fused": True}, **shape)
+    configs["compiled"] = run_config(
+        f"dp{world}-compiled",
+        out,
+        dp=world,
+        zero=0,
+        steps=opts.steps,
+        cpus_per_actor=cpus,
+        train={"compile": True},
+        optimizer={"fused": True},
+        **shape,
+    )
     batches, vocab = global_batches(configs[0])
     group = ActorGroup(world, "cuda" if gpu else "cpu", cpus_per_actor=cpus)
     storage = os.path.join(out, "ray-train")
@@ -131,18 +159,30 @@ def _data_parallel_at(world: int, opts) -> tuple[list[list], dict]:
     group.shutdown()
     tokens = shape["global_batch"] * shape["seq_len"]
     reference = runs["raymp zero=0 (DDP)"][0]["losses"]
-    stats = {name: window([t for r in rs for t in steady(r["step_times"])], skip=0) for name, rs in runs.items()}
+    stats = {
+        name: window([t for r in rs for t in steady(r["step_times"])], skip=0) for name, rs in runs.items()
+    }
     rows, raw = [], {}
     for name in variants:
         st = stats[name]
-        row = [str(world), name, f"{tokens / st['mean']:,.0f}", f"{st['mean'] * 1e3:.0f}", f"{st['median'] * 1e3:.0f}",
-               f"{st['tail']:.2f}", f"{max(_max_loss_gap(r['losses'], reference) for r in runs[name]):.1e}"]
+        row = [
+            str(world),
+            name,
+            f"{tokens / st['mean']:,.0f}",
+            f"{st['mean'] * 1e3:.0f}",
+            f"{st['median'] * 1e3:.0f}",
+            f"{st['tail']:.2f}",
+            f"{max(_max_loss_gap(r['losses'], reference) for r in runs[name]):.1e}",
+        ]
         for peer in PEERS.get(name, (None, None)):
             row.append(f"{stats[peer]['mean'] / st['mean']:.2f}x" if peer in stats else "")
         if gpu:
             row.append(f"{_mfu(configs[0], vocab, shape, st['mean'], world, opts):.1%}")
         rows.append(row)
-        raw[name] = {"step_times_s": [r["step_times"] for r in runs[name]], "losses": [r["losses"] for r in runs[name]]}
+        raw[name] = {
+            "step_times_s": [r["step_times"] for r in runs[name]],
+            "losses": [r["losses"] for r in runs[name]],
+        }
     return rows, raw
 
 
@@ -152,7 +192,9 @@ def _mfu(cfg_dict, vocab, shape, step_s, world, opts) -> float:
     from raymp.step_time import step_flops
 
     args = model_args(config_from_dict(cfg_dict).model, vocab)
-    return step_flops(args, shape["global_batch"], shape["seq_len"]) / step_s / (opts.peak_tflops * 1e12 * world)
+    return (
+        step_flops(args, shape["global_batch"], shape["seq_len"]) / step_s / (opts.peak_tflops * 1e12 * world)
+    )
 
 
 # -- 2. orchestration overhead: raymp vs the same code as plain processes ------------------------
@@ -178,22 +220,35 @@ def orchestration(opts) -> dict:
     step = {name: [median(steady(r["step_times"])) for r in rs] for name, rs in runs.items()}
     reference = runs["raymp (Ray actors, driver)"][0]["losses"]
     plain = median(step["plain processes (torchrun-style, no Ray)"])
-    rows = [[name, f"{median(v) * 1e3:.0f}", spread([x * 1e3 for x in v]),
-             f"{median(v) / plain:.2f}x", f"{max(_max_loss_gap(r['losses'], reference) for r in runs[name]):.1e}"]
-            for name, v in step.items()]
+    rows = [
+        [
+            name,
+            f"{median(v) * 1e3:.0f}",
+            spread([x * 1e3 for x in v]),
+            f"{median(v) / plain:.2f}x",
+            f"{max(_max_loss_gap(r['losses'], reference) for r in runs[name]):.1e}",
+        ]
+        for name, v in step.items()
+    ]
     return {
         "title": "2. Orchestration overhead: raymp vs the same code without Ray",
-        "setup": (f"dp=2 x pp=2, 1F1B, 4 micro-batches of 4, model `small`, seq_len 128, global batch 16, fp32, "
-                  f"gloo, 4 ranks x 1 thread; {opts.steps} steps per run, median of steps 3..{opts.steps}, "
-                  f"{opts.reps} interleaved rounds. The peer runs raymp's `Worker` class (the code inside "
-                  "each actor) in 4 spawned interpreters with a TCP rendezvous, each looping over its steps."),
+        "setup": (
+            f"dp=2 x pp=2, 1F1B, 4 micro-batches of 4, model `small`, seq_len 128, global batch 16, fp32, "
+            f"gloo, 4 ranks x 1 thread; {opts.steps} steps per run, median of steps 3..{opts.steps}, "
+            f"{opts.reps} interleaved rounds. The peer runs raymp's `Worker` class (the code inside "
+            "each actor) in 4 spawned interpreters with a TCP rendezvous, each looping over its steps."
+        ),
         "columns": ["run", "step (ms)", "rounds (ms)", "vs plain", "max loss gap vs raymp"],
         "rows": rows,
-        "raw": {name: {"step_times_s": [r["step_times"] for r in rs], "losses": [r["losses"] for r in rs]}
-                for name, rs in runs.items()},
-        "notes": ["The difference is what the single controller costs per step: one Ray call per rank, "
-                  "the driver gathering results (losses, pipeline events, memory), and Ray Data streaming "
-                  "the batches instead of a local array."],
+        "raw": {
+            name: {"step_times_s": [r["step_times"] for r in rs], "losses": [r["losses"] for r in rs]}
+            for name, rs in runs.items()
+        },
+        "notes": [
+            "The difference is what the single controller costs per step: one Ray call per rank, "
+            "the driver gathering results (losses, pipeline events, memory), and Ray Data streaming "
+            "the batches instead of a local array."
+        ],
     }
 
 
@@ -225,12 +280,15 @@ def pipeline(opts) -> dict:
     ray.shutdown()
     return {
         "title": "3. Pipeline bubble: measured vs theory, per schedule",
-        "setup": (f"p={pp} pipeline ranks, model `small` (8 layers), seq_len 128, micro-batch 1, fp32, "
-                  f"{pp} CPU actors x 1 thread on {os.cpu_count()} cores; interleaved: 2 stages per rank; "
-                  f"zbv/dualpipev: 2 stages per rank in a V. Bubble = idle / (ranks x makespan) from the "
-                  f"stages' own clocks, median of steps 2..{opts.pipeline_steps}."),
+        "setup": (
+            f"p={pp} pipeline ranks, model `small` (8 layers), seq_len 128, micro-batch 1, fp32, "
+            f"{pp} CPU actors x 1 thread on {os.cpu_count()} cores; interleaved: 2 stages per rank; "
+            f"zbv/dualpipev: 2 stages per rank in a V. Bubble = idle / (ranks x makespan) from the "
+            f"stages' own clocks, median of steps 2..{opts.pipeline_steps}."
+        ),
         "columns": ["schedule", "m", "theory", "measured", "per step", "step (ms)", "peak activations (MiB)"],
-        "rows": rows, "raw": raw,
+        "rows": rows,
+        "raw": raw,
         "notes": [
             "Theory is the ideal (p-1)/(m+p-1) ((p-1)/(v*m+p-1) interleaved): equal stages, free communication. "
             + _gap_note(gaps),
@@ -272,11 +330,21 @@ def memory(opts) -> dict:
             formula = zero_model_states(psi, zero, n, *sizes)
             state = lambda r: r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"]  # noqa: E731
             worst = max(per_rank, key=state)
-            rows.append([precision, str(zero),
-                         _mib(worst["param_bytes"]), _mib(formula["params"]),
-                         _mib(worst["grad_bytes"]), _mib(formula["grads"]),
-                         _mib(worst["optim_bytes"]), _mib(formula["optimizer"]),
-                         _mib(state(worst)), _mib(formula["total"]), f"{state(worst) / formula['total']:.2f}"])
+            rows.append(
+                [
+                    precision,
+                    str(zero),
+                    _mib(worst["param_bytes"]),
+                    _mib(formula["params"]),
+                    _mib(worst["grad_bytes"]),
+                    _mib(formula["grads"]),
+                    _mib(worst["optim_bytes"]),
+                    _mib(formula["optimizer"]),
+                    _mib(state(worst)),
+                    _mib(formula["total"]),
+                    f"{state(worst) / formula['total']:.2f}",
+                ]
+            )
             raw[f"{precision} zero={zero}"] = {"psi": psi, "per_rank": [
                 {k: r[k] for k in ("rank", "param_bytes", "grad_bytes", "optim_bytes")} for r in per_rank],
                 "formula": formula}

@@ -72,13 +72,21 @@ def register_config(steps: int, batch: int, seq_len: int, lr: float, fp8: str | 
     def llama3_1b_gpu_check() -> Trainer.Config:
         converters = ([Float8LinearConverter.Config(model_compile_enabled=True, recipe_name=fp8)]
                       if fp8 else [])
-        spec = registry.model_registry("1B", converters=converters) if converters else registry.model_registry("1B")
+        spec = (
+            registry.model_registry("1B", converters=converters)
+            if converters
+            else registry.model_registry("1B")
+        )
         return Trainer.Config(
-            loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))),
+            loss=ChunkedLossWrapper.Config(
+                loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))
+            ),
             hf_assets_path=tokenizer,
             model_spec=spec,
             optimizer=default_adamw(lr=lr),
-            lr_scheduler=LRSchedulersContainer.Config(warmup_steps=1, decay_ratio=0.0),  # then constant, as raymp
+            lr_scheduler=LRSchedulersContainer.Config(
+                warmup_steps=1, decay_ratio=0.0
+            ),  # then constant, as raymp
             training=TrainingConfig(local_batch_size=batch, seq_len=seq_len, steps=steps),
             dataloader=HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path=dataset),
             metrics=MetricsProcessor.Config(log_freq=1, disable_color_printing=True),
@@ -98,15 +106,25 @@ def parse_log(text: str) -> list[dict]:
     for line in ANSI.sub("", text).splitlines():
         m = STEP_LINE.search(line)
         if m:
-            rows.append({"step": int(m.group(1)), "loss": float(m.group(2)), "reserved_gib": float(m.group(3)),
-                         "tps": float(m.group(4).replace(",", ""))})
+            rows.append(
+                {
+                    "step": int(m.group(1)),
+                    "loss": float(m.group(2)),
+                    "reserved_gib": float(m.group(3)),
+                    "tps": float(m.group(4).replace(",", "")),
+                }
+            )
     return rows
 
 
 def failure_line(log: str) -> str:
     """The child's exception line ("ImportError: ..."), not torchrun's closing banner."""
     lines = [line.strip() for line in ANSI.sub("", log).splitlines() if line.strip()]
-    errors = [line for line in lines if re.match(r"[\w.]*(Error|Exception)\b", line) and "ChildFailedError" not in line]
+    errors = [
+        line
+        for line in lines
+        if re.match(r"[\w.]*(Error|Exception)\b", line) and "ChildFailedError" not in line
+    ]
     return (errors or lines or ["no output"])[0 if errors else -1]
 
 
@@ -116,10 +134,16 @@ def summarize(rows: list[dict], batch: int, seq_len: int) -> dict:
     if len(rows) < 3:
         raise RuntimeError(f"torchtitan logged {len(rows)} training steps; the check needs at least 3")
     step_s = median([batch * seq_len / r["tps"] for r in steady(rows)])
-    return {"step_s": step_s, "losses": [r["loss"] for r in rows], "peak_gib": max(r["reserved_gib"] for r in rows)}
+    return {
+        "step_s": step_s,
+        "losses": [r["loss"] for r in rows],
+        "peak_gib": max(r["reserved_gib"] for r in rows),
+    }
 
 
-def run(steps: int, batch: int, seq_len: int, lr: float, fp8: str | None = None, timeout_s: float = 600) -> dict:
+def run(
+    steps: int, batch: int, seq_len: int, lr: float, fp8: str | None = None, timeout_s: float = 600
+) -> dict:
     """Launch torchtitan's train script under torchrun (one GPU) and return its timed row."""
     assets = tempfile.mkdtemp(prefix="raymp-torchtitan-")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
@@ -131,7 +155,9 @@ def run(steps: int, batch: int, seq_len: int, lr: float, fp8: str | None = None,
     log = done.stdout + done.stderr
     Path(assets, "train.log").write_text(log)
     if done.returncode != 0:
-        raise RuntimeError(f"torchtitan exited {done.returncode}: {failure_line(log)[:300]} (log: {assets}/train.log)")
+        raise RuntimeError(
+            f"torchtitan exited {done.returncode}: {failure_line(log)[:300]} (log: {assets}/train.log)"
+        )
     return summarize(parse_log(log), batch, seq_len)
 
 

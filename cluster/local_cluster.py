@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     say("commands: nodes | kill N | add | quit")
 
     trainer = Trainer(args.config, args.overrides)
-    scripted = {at: command for at, command in [(args.kill_at, "kill 0"), (args.add_at, "add")] if at is not None}
+    scripted = {
+        at: command for at, command in [(args.kill_at, "kill 0"), (args.add_at, "add")] if at is not None
+    }
     due: list = []  # (command, done event): a scripted command the training thread waits on
 
     def on_event(name: str, info: dict) -> None:
@@ -78,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     if outcome:
         say(f"the run failed: {outcome[0]}")
         return 1
-    say(f"done: {len(trainer.restarts)} restart(s); MLflow run {trainer.tracker.run_id if trainer.tracker else '-'}")
+    say(
+        f"done: {len(trainer.restarts)} restart(s); MLflow run {trainer.tracker.run_id if trainer.tracker else '-'}"
+    )
     return 0
 
 

@@ -117,9 +117,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tracking-uri", default="sqlite:///runs/mlflow.db")
     parser.add_argument("--experiment", default="raymp")
-    parser.add_argument("--out", default="runs/mlflow-ui.png", help="screenshot path (the DOM goes beside it)")
-    parser.add_argument("--filter", help="compare only the runs this MLflow search matches (a sweep's trials: "
-                                         "\"tags.mlflow.parentRunId = '<id>'\")")
+    parser.add_argument(
+        "--out", default="runs/mlflow-ui.png", help="screenshot path (the DOM goes beside it)"
+    )
+    parser.add_argument(
+        "--filter",
+        help="compare only the runs this MLflow search matches (a sweep's trials: "
+        "\"tags.mlflow.parentRunId = '<id>'\")",
+    )
     parser.add_argument("--run", help="shoot this run's page instead of the comparison")
     parser.add_argument("--compare", nargs="+", help="shoot MLflow's compare page of these run ids")
     args = parser.parse_args(argv)

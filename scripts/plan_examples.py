@@ -57,8 +57,12 @@ def block() -> str:
         f"- Llama 70B (`--model llama-70b`), global batch 512 x 4096: {len(llama.feasible)} of "
         f"{len(llama.candidates)} layouts fit. The best is {_layout_words(best.layout)}, micro-batch "
         f"{best.layout.micro_batch_size}, at {best.peak_bytes / GB:.1f} GB per GPU."
-        + (" Plain data parallelism with ZeRO-1/2 never fits." if plain_dp and not any(c.fits for c in plain_dp)
-           else ""))
+        + (
+            " Plain data parallelism with ZeRO-1/2 never fits."
+            if plain_dp and not any(c.fits for c in plain_dp)
+            else ""
+        )
+    )
     gpt3, margs, cluster, _ = _plan("gpt3-175b", 256, 2048)
     best = gpt3.best
     usable = cluster.gpu_memory_gb * GB * cluster.usable_fraction
@@ -66,7 +70,9 @@ def block() -> str:
     def need(layout):
         return max(r.total_bytes for r in estimate(margs, layout, 256, 2048, True))
 
-    seed, fixed = Layout(dp=8, pp=4, tp=2, zero=2), Layout(dp=8, pp=4, tp=2, zero=3, activation_checkpointing=True)
+    seed, fixed = Layout(dp=8, pp=4, tp=2, zero=2), Layout(
+        dp=8, pp=4, tp=2, zero=3, activation_checkpointing=True
+    )
     fits = {True: "fits", False: "does not fit"}
     lines.append(
         f"- GPT-3 175B (`--model gpt3-175b`), global batch 256 x 2048: {len(gpt3.feasible)} of "

@@ -79,9 +79,12 @@ def stray_local_imports(path: Path) -> list[str]:
     def visit(node, in_function: bool, guarded: bool) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.Import, ast.ImportFrom)) and in_function and not guarded:
-                names = [a.name for a in child.names] if isinstance(child, ast.Import) else [child.module or ""]
-                allowed = any(n.split(".")[0] in LAZY_LIBRARIES or n.startswith("torch._inductor") for n in names) or (
-                    rel.startswith(CONFIG_PATH) and any(n.startswith(HEAVY_ON_CONFIG_PATH) for n in names))
+                names = (
+                    [a.name for a in child.names] if isinstance(child, ast.Import) else [child.module or ""]
+                )
+                allowed = any(
+                    n.split(".")[0] in LAZY_LIBRARIES or n.startswith("torch._inductor") for n in names
+                ) or (rel.startswith(CONFIG_PATH) and any(n.startswith(HEAVY_ON_CONFIG_PATH) for n in names))
                 if not allowed:
                     found.append(f"{rel}:{child.lineno} {', '.join(names)}")
             function = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))

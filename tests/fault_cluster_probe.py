@@ -146,11 +146,22 @@ class Run:
         if self.thread.is_alive():
             raise Hung("the run did not finish")
         t = self.trainer
-        out = {"history": [{"step": m["step"], "loss": m["loss"], "dp": m["dp"], "finished_at": m["finished_at"],
-                            "sample_ids": m["sample_ids"].tolist()} for m in t.history],
-               "restarts": t.restarts, "failures": t.failures,
-               "pids_after": [n["pid"] for n in t.group.nodes] if t.group else None,
-               "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}"}
+        out = {
+            "history": [
+                {
+                    "step": m["step"],
+                    "loss": m["loss"],
+                    "dp": m["dp"],
+                    "finished_at": m["finished_at"],
+                    "sample_ids": m["sample_ids"].tolist(),
+                }
+                for m in t.history
+            ],
+            "restarts": t.restarts,
+            "failures": t.failures,
+            "pids_after": [n["pid"] for n in t.group.nodes] if t.group else None,
+            "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}",
+        }
         t.close()
         return out
 
@@ -177,7 +188,11 @@ def node_loss(probe, root, zero=0, dp=2, nodes=2, cpus=2, after=3, rank=1, commi
     result = run.finish()
     # Node lost -> the next step completed (the benchmark-style number the README quotes).
     after_loss = [m["finished_at"] for m in run.trainer.history if m["finished_at"] > lost_at]
-    return {**result, "lost_to_next_step_s": after_loss[0] - lost_at if after_loss else None, "pids_before": pids}
+    return {
+        **result,
+        "lost_to_next_step_s": after_loss[0] - lost_at if after_loss else None,
+        "pids_before": pids,
+    }
 
 
 SCENARIOS = {
@@ -185,30 +200,55 @@ SCENARIOS = {
     "node loss mid-run, dp2 -> dp1, zero 2": lambda p, r: node_loss(p, r, zero=2),
     "node loss mid-run, dp2 -> dp1, zero 3": lambda p, r: node_loss(p, r, zero=3),
     "node loss, dp4 -> dp3, global batch kept": lambda p, r: node_loss(
-        p, r, zero=2, dp=4, nodes=4, rank=3, parallel={"micro_batch_size": 1}, train={"global_batch_size": 12}),
+        p, r, zero=2, dp=4, nodes=4, rank=3, parallel={"micro_batch_size": 1}, train={"global_batch_size": 12}
+    ),
     "node loss, dp2 x pp2 -> dp1 x pp2": lambda p, r: node_loss(
-        p, r, zero=1, nodes=2, cpus=4, rank=0, parallel={"pp": 2, "schedule": "1f1b"}),
+        p, r, zero=1, nodes=2, cpus=4, rank=0, parallel={"pp": 2, "schedule": "1f1b"}
+    ),
     "node loss, dp2 x pp2 x tp2 -> dp1 x pp2 x tp2": lambda p, r: node_loss(
-        p, r, zero=0, nodes=2, cpus=7, rank=0, parallel={"pp": 2, "tp": 2, "micro_batch_size": 1}),
+        p, r, zero=0, nodes=2, cpus=7, rank=0, parallel={"pp": 2, "tp": 2, "micro_batch_size": 1}
+    ),
     "node loss, survivors keep their state, dp2 -> dp1": lambda p, r: node_loss(
-        p, r, parallel={"micro_batch_size": 1}, elastic={"keep_survivors": True}),
+        p, r, parallel={"micro_batch_size": 1}, elastic={"keep_survivors": True}
+    ),
     "node loss of the rendezvous rank, survivors keep their state, dp4 -> dp2": lambda p, r: node_loss(
-        p, r, dp=4, nodes=4, rank=0, parallel={"micro_batch_size": 1}, elastic={"keep_survivors": True}),
+        p, r, dp=4, nodes=4, rank=0, parallel={"micro_batch_size": 1}, elastic={"keep_survivors": True}
+    ),
     # One rank per node (2 CPUs, 1.5 per actor): the lost node takes rank 0, its group's other rank is let go, and the
     # other HSDP group (two ZeRO-3 shards on two more nodes) goes on with what it holds.
     "node loss of an HSDP group's rank, survivors keep their state, 2x2 -> 1x2": lambda p, r: node_loss(
-        p, r, zero=3, dp=4, nodes=4, rank=0, parallel={"micro_batch_size": 1, "dp_replicate": 2},
-        elastic={"keep_survivors": True}),
+        p,
+        r,
+        zero=3,
+        dp=4,
+        nodes=4,
+        rank=0,
+        parallel={"micro_batch_size": 1, "dp_replicate": 2},
+        elastic={"keep_survivors": True},
+    ),
     # One whole pipeline (1.5 CPUs per actor: two ranks per 4-CPU node) or one whole pipeline of TP
     # pairs (four per 7-CPU node) per node: the lost node takes replica 0, replica 1 goes on.
     "node loss, survivors keep their state, dp2 x pp2 -> dp1 x pp2": lambda p, r: node_loss(
-        p, r, nodes=2, cpus=4, rank=0, parallel={"pp": 2, "schedule": "1f1b", "micro_batch_size": 1},
-        elastic={"keep_survivors": True}),
+        p,
+        r,
+        nodes=2,
+        cpus=4,
+        rank=0,
+        parallel={"pp": 2, "schedule": "1f1b", "micro_batch_size": 1},
+        elastic={"keep_survivors": True},
+    ),
     "node loss, survivors keep their state, dp2 x pp2 x tp2 -> dp1 x pp2 x tp2": lambda p, r: node_loss(
-        p, r, nodes=2, cpus=7, rank=0, parallel={"pp": 2, "tp": 2, "micro_batch_size": 1},
-        elastic={"keep_survivors": True}),
+        p,
+        r,
+        nodes=2,
+        cpus=7,
+        rank=0,
+        parallel={"pp": 2, "tp": 2, "micro_batch_size": 1},
+        elastic={"keep_survivors": True},
+    ),
     "node loss before the first checkpoint": lambda p, r: node_loss(
-        p, r, after=1, committed=None, checkpoint={"every": 4}),
+        p, r, after=1, committed=None, checkpoint={"every": 4}
+    ),
 }
 
 
@@ -298,7 +338,9 @@ def _grow_back(probe, root):
     return {**result, "mlflow": mlflow_record(uri, run_id)}
 
 
-@scenario("node loss, survivors keep their state, the node returns and joins from a live peer, dp2 -> dp1 -> dp2")
+@scenario(
+    "node loss, survivors keep their state, the node returns and joins from a live peer, dp2 -> dp1 -> dp2"
+)
 def _join_back(probe, root):
     """The run waits (on_event, after a step) until the node is back and Ray has placed the lost
     bundle there again; the next step starts with the join."""
@@ -322,7 +364,9 @@ def _join_back(probe, root):
     return {**run.finish(), "pids_before": pids}
 
 
-@scenario("node loss with a spare node, survivors keep their state, a replacement joins from a live peer, dp2")
+@scenario(
+    "node loss with a spare node, survivors keep their state, a replacement joins from a live peer, dp2"
+)
 def _replacement(probe, root):
     """Three nodes for two ranks: Ray re-places the lost rank's bundle on the spare node at once,
     and the missing replica starts there (from the survivor's memory) before a next step."""
@@ -347,7 +391,9 @@ def _node_loss_after_a_whole_peer_copy(probe, root, cpus: int, parallel: dict, r
 
     def whole() -> bool:
         kept = copies.kept[-1].copies if copies.kept else []
-        return bool(kept) and len(ray.wait(kept, num_returns=len(kept), timeout=0, fetch_local=False)[0]) == len(kept)
+        return bool(kept) and len(
+            ray.wait(kept, num_returns=len(kept), timeout=0, fetch_local=False)[0]
+        ) == len(kept)
 
     wait_until(lambda: whole() or not run.thread.is_alive(), "a peer copy on both its nodes")
     placed = {"nodes": [n["node_id"] for n in run.trainer.group.nodes],

@@ -50,8 +50,10 @@ def train_with_local_data_on_a_zero_cpu_head() -> dict:
 def main() -> None:
     cluster = SimulatedCluster(head_cpus=0)
     nodes = [cluster.add(cpus=4, gpus=2) for _ in range(2)]
-    out = {"node_ids": sorted(n.node_id for n in nodes),
-           "object_store_bytes": [n["Resources"].get("object_store_memory") for n in ray.nodes() if n["Alive"]]}
+    out = {
+        "node_ids": sorted(n.node_id for n in nodes),
+        "object_store_bytes": [n["Resources"].get("object_store_memory") for n in ray.nodes() if n["Alive"]],
+    }
     group = ActorGroup(4, "cuda", tp_size=2, worker_cls=PlacementOnlyWorker, placement_timeout_s=60)
     out["tp2"] = [{"node": n["node_id"], "gpus": n["gpu_ids"]} for n in group.nodes]
     group.shutdown()

@@ -29,7 +29,9 @@ def _tp2_logits(rank: int, port: int, hf_config: dict, sequence_parallel: bool, 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         spec = HFSpec(load_hf_config(None, hf_config), None, seed=3)
-        model = build_part(spec, "cpu", tp_mesh=init_device_mesh("cpu", (2,)), sequence_parallel=sequence_parallel).eval()
+        model = build_part(
+            spec, "cpu", tp_mesh=init_device_mesh("cpu", (2,)), sequence_parallel=sequence_parallel
+        ).eval()
         tokens = packed_tokens()
         with torch.no_grad():
             logits = {"plain": model(tokens).full_tensor(),
@@ -48,7 +50,9 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
 @pytest.mark.parametrize("family", SLIDING)
-def test_tp2_logits_equal_transformers_with_sliding_window_and_document_masks(family, sequence_parallel, tmp_path):
+def test_tp2_logits_equal_transformers_with_sliding_window_and_document_masks(
+    family, sequence_parallel, tmp_path
+):
     """Under SP the rotary tables and masks are the whole sequence's (global positions), though
     each rank holds half of it between layers."""
     hf_config = SLIDING[family]
@@ -57,7 +61,9 @@ def test_tp2_logits_equal_transformers_with_sliding_window_and_document_masks(fa
     logits = torch.load(out)
     spec = HFSpec(load_hf_config(None, hf_config), None, seed=3)
     whole = build_model(spec, 3)
-    reference = transformers.AutoModelForCausalLM.from_config(spec.hf_config, attn_implementation="sdpa").eval()
+    reference = transformers.AutoModelForCausalLM.from_config(
+        spec.hf_config, attn_implementation="sdpa"
+    ).eval()
     reference.load_state_dict(to_hf_state_dict(spec.model_type, whole.state_dict(), spec.tie_embeddings),
                               strict=False)
     tokens = packed_tokens()
@@ -65,5 +71,7 @@ def test_tp2_logits_equal_transformers_with_sliding_window_and_document_masks(fa
         torch.testing.assert_close(logits["plain"], reference(tokens).logits, rtol=0, atol=1e-5)
         for b in range(len(tokens)):
             for start, end in documents(tokens[b]):
-                alone = reference(tokens[b:b + 1, start:end], position_ids=torch.arange(start, end)[None]).logits
+                alone = reference(
+                    tokens[b : b + 1, start:end], position_ids=torch.arange(start, end)[None]
+                ).logits
                 torch.testing.assert_close(logits["documents"][b:b + 1, start:end], alone, rtol=0, atol=1e-5)

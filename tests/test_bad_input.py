@@ -42,7 +42,9 @@ def _nothing_left(out_dir) -> None:
 
 
 @pytest.mark.parametrize("case", ["unknown scheme", "refused", "never answers", "sqlite dir"])
-def test_a_tracking_store_that_cannot_be_used_fails_before_anything_starts(case, tiny_cfg, tmp_path, listener):
+def test_a_tracking_store_that_cannot_be_used_fails_before_anything_starts(
+    case, tiny_cfg, tmp_path, listener
+):
     uri, expected = {
         "unknown scheme": ("foo://bar", r"tracking.tracking_uri foo://bar: MLflow cannot use it \(it has no "
                                         r"store for foo:// URIs\); use sqlite:///<path>.db"),
@@ -60,7 +62,9 @@ def test_a_tracking_store_that_cannot_be_used_fails_before_anything_starts(case,
 
 def test_an_output_dir_that_cannot_be_written_is_named(tiny_cfg):
     cfg = tiny_cfg(output_dir="/proc/raymp-no/runs")
-    with pytest.raises(ConfigError, match=r"output_dir /proc/raymp-no/runs is not writable \(.*\); set output_dir"):
+    with pytest.raises(
+        ConfigError, match=r"output_dir /proc/raymp-no/runs is not writable \(.*\); set output_dir"
+    ):
         Trainer(cfg, progress=False).setup()
 
 
@@ -79,9 +83,11 @@ def test_a_cache_dir_that_is_a_file_is_one_line_before_anything_starts(tmp_path)
     proc = raymp("train", "configs/tiny.yaml", "--set", f"data.cache_dir={tmp_path / 'a-file'}", "--set",
                  f"output_dir={tmp_path / 'runs'}", "--no-progress")
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines() == [f"raymp: error: data.cache_dir {tmp_path / 'a-file'} is a file, not a "
-                                                "directory; set data.cache_dir to a directory (it is made if "
-                                                "missing), or move the file away"]
+    assert proc.stderr.strip().splitlines() == [
+        f"raymp: error: data.cache_dir {tmp_path / 'a-file'} is a file, not a "
+        "directory; set data.cache_dir to a directory (it is made if "
+        "missing), or move the file away"
+    ]
 
 
 def test_an_unwritable_checkpoint_dir_fails_before_the_data_is_prepared(tiny_cfg, tmp_path):
@@ -95,8 +101,11 @@ def test_an_unwritable_checkpoint_dir_fails_before_the_data_is_prepared(tiny_cfg
 def test_a_model_too_large_for_the_cluster_is_refused_before_any_actor(tiny_cfg, tmp_path, ray_local):
     cfg = tiny_cfg(model={"preset": "llama-8b", "vocab_size": None, "max_seq_len": 64})
     placed = len(ray_local.util.placement_group_table())
-    with pytest.raises(ConfigError, match=r"the model does not fit in memory: the planner estimates [\d.,]+ GiB per "
-                                          r"rank .* but the largest node has [\d.,]+ GiB .*; shard it"):
+    with pytest.raises(
+        ConfigError,
+        match=r"the model does not fit in memory: the planner estimates [\d.,]+ GiB per "
+        r"rank .* but the largest node has [\d.,]+ GiB .*; shard it",
+    ):
         Trainer(cfg, progress=False).setup()
     assert len(ray_local.util.placement_group_table()) == placed  # no actor was placed
     _nothing_left(tmp_path / "runs")
@@ -117,16 +126,26 @@ def test_the_command_line_says_it_in_one_line_with_exit_2(tmp_path):
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines() == [
         "raymp: error: tracking.tracking_uri foo://bar: MLflow cannot use it (it has no store for foo:// URIs); "
-        "use sqlite:///<path>.db, http(s)://<server>, or leave it unset for the store under output_dir"]
+        "use sqlite:///<path>.db, http(s)://<server>, or leave it unset for the store under output_dir"
+    ]
     assert out.stdout == ""
     _nothing_left(tmp_path / "runs")
 
 
 @pytest.mark.system
-@pytest.mark.parametrize("case", ["config is a directory", "invalid YAML", "auto without a cluster", "parallel: search",
-                                  "layout search without a cluster",
-                                  "checkpoint list of a missing dir", "data source of a dangling link",
-                                  "cpus_per_actor above the machine"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "config is a directory",
+        "invalid YAML",
+        "auto without a cluster",
+        "parallel: search",
+        "layout search without a cluster",
+        "checkpoint list of a missing dir",
+        "data source of a dangling link",
+        "cpus_per_actor above the machine",
+    ],
+)
 def test_each_bad_path_or_file_is_one_line_with_exit_2(tmp_path, case):
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("model:\n  preset: tiny\n bad: [\n")
@@ -137,20 +156,34 @@ def test_each_bad_path_or_file_is_one_line_with_exit_2(tmp_path, case):
     train = ["train", "configs/tiny.yaml", "--no-progress", "--set", f"output_dir={tmp_path / 'runs'}"]
     args, expected = {
         "data source of a dangling link": (
-            [*train, "--set", f"data.source={tmp_path / 'data'}", "--set", f"data.cache_dir={tmp_path / 'cache'}"],
-            f"{tmp_path / 'data' / 'gone.txt'} is a link to a file that does not exist"),
+            [
+                *train,
+                "--set",
+                f"data.source={tmp_path / 'data'}",
+                "--set",
+                f"data.cache_dir={tmp_path / 'cache'}",
+            ],
+            f"{tmp_path / 'data' / 'gone.txt'} is a link to a file that does not exist",
+        ),
         "cpus_per_actor above the machine": (
             [*train, "--set", f"resources.cpus_per_actor={(os.cpu_count() or 1) + 1}"],
-            f"is more than this machine's {os.cpu_count()} CPUs"),
+            f"is more than this machine's {os.cpu_count()} CPUs",
+        ),
         "config is a directory": (["config", str(tmp_path)], f"config path '{tmp_path}' is a directory"),
         "invalid YAML": (["config", str(bad_yaml)], f"{bad_yaml}: not valid YAML at line 3, column 2:"),
         "auto without a cluster": (["config", str(auto)], "parallel: auto needs a cluster section"),
-        "layout search without a cluster": (["sweep", "--layouts", "3", "configs/tiny.yaml"],
-                                            "a layout search plans for the config's cluster section"),
-        "parallel: search": (["config", "configs/tiny.yaml", "--set", "parallel=search"],
-                             "parallel: search is a measurement, not a layout: run `raymp sweep --layouts N CONFIG`"),
-        "checkpoint list of a missing dir": (["checkpoint", "list", str(tmp_path / "nope")],
-                                             f"{tmp_path / 'nope'} is not a directory; give a run's checkpoint.dir"),
+        "layout search without a cluster": (
+            ["sweep", "--layouts", "3", "configs/tiny.yaml"],
+            "a layout search plans for the config's cluster section",
+        ),
+        "parallel: search": (
+            ["config", "configs/tiny.yaml", "--set", "parallel=search"],
+            "parallel: search is a measurement, not a layout: run `raymp sweep --layouts N CONFIG`",
+        ),
+        "checkpoint list of a missing dir": (
+            ["checkpoint", "list", str(tmp_path / "nope")],
+            f"{tmp_path / 'nope'} is not a directory; give a run's checkpoint.dir",
+        ),
     }[case]
     out = raymp(*args)
     assert out.returncode == 2, out.stdout + out.stderr
@@ -163,12 +196,20 @@ def test_each_bad_path_or_file_is_one_line_with_exit_2(tmp_path, case):
 def test_version_and_a_mistyped_command_import_no_torch_pydantic_or_ray():
     """Start-up: a command imports what it needs when it needs it (import log, not a clock)."""
     for args in (["--version"], ["trian"]):
-        out = subprocess.run([sys.executable, "-X", "importtime", "-m", "raymp.cli", *args], capture_output=True,
-                             text=True, env={**os.environ, "RAY_ADDRESS": ""})
+        out = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "raymp.cli", *args],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "RAY_ADDRESS": ""},
+        )
         imported = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if "|" in line}
         assert not {"torch", "pydantic", "ray"} & imported, sorted(imported & {"torch", "pydantic", "ray"})
-    config = subprocess.run([sys.executable, "-X", "importtime", "-m", "raymp.cli", "config", "configs/tiny.yaml"],
-                            capture_output=True, text=True, cwd=ROOT)
+    config = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "raymp.cli", "config", "configs/tiny.yaml"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     imported = {line.split("|")[-1].strip() for line in config.stderr.splitlines() if "|" in line}
     assert config.returncode == 0 and not {"ray", "torch.distributed.checkpoint"} & imported
 

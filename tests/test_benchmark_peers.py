@@ -15,9 +15,22 @@ from benchmarks.common import global_batches
 from benchmarks.peers_plain import run_plain, run_plain_dp
 
 
-@pytest.mark.parametrize("module", ["run_all", "sections", "elastic", "scale", "driver_overhead", "long_context",
-                                    "planner_check", "peers_ray_train",
-                                    "peers_plain", "plain_loop", "rank_step"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "run_all",
+        "sections",
+        "elastic",
+        "scale",
+        "driver_overhead",
+        "long_context",
+        "planner_check",
+        "peers_ray_train",
+        "peers_plain",
+        "plain_loop",
+        "rank_step",
+    ],
+)
 def test_benchmark_modules_import(module):
     importlib.import_module(f"benchmarks.{module}")
 

@@ -86,8 +86,15 @@ def test_checkpoint_dir_layout_and_keep_last(saved):
     store = CheckpointStore(str(saved["dir"]), keep_last=2)
     assert [c.step for c in store.committed()] == [SAVE_AT, STEPS]
     latest = store.latest()
-    assert latest.step == STEPS and latest.meta["layout"] == {"dp": 2, "dp_replicate": 1, "cp": 1, "pp": 2, "tp": 1, "zero": 1,
-                                                            "world_size": 4}
+    assert latest.step == STEPS and latest.meta["layout"] == {
+        "dp": 2,
+        "dp_replicate": 1,
+        "cp": 1,
+        "pp": 2,
+        "tp": 1,
+        "zero": 1,
+        "world_size": 4,
+    }
     assert latest.data_position["step"] == STEPS and latest.data_position["consumed"] == STEPS * 8
     files = sorted(os.listdir(latest.path))
     assert files == sorted([".metadata", MARKER] + [f"__{r}_0.distcp" for r in range(4)])
@@ -173,8 +180,11 @@ def test_crash_mid_write_leaves_the_previous_checkpoint_loadable(tmp_path, data_
     try:
         group.call("arm_crash", 4, 1)  # rank 1 dies half-way through writing step 4's checkpoint
         # Through a URI: DCP's fsspec writer and reader, as for s3:// or gs:// storage.
-        t = Trainer(run_cfg(tmp_path, data_cache, f"file://{ckpt}", every=2, dp=2, steps=6), actor_group=group,
-                    progress=False)
+        t = Trainer(
+            run_cfg(tmp_path, data_cache, f"file://{ckpt}", every=2, dp=2, steps=6),
+            actor_group=group,
+            progress=False,
+        )
         t.fit(2)
         weights_at_2 = t.state_dict()
         with pytest.raises(WorkerLostError, match="rank 1 .* died"):
@@ -210,8 +220,10 @@ def test_a_uri_output_dir_keeps_the_run_data_and_checkpoints_and_resumes(tmp_pat
     with Trainer(cfg, actor_group=group2, progress=False) as t:
         assert t.run_dir == f"{store}/on-uri"
         whole = t.fit()
-        assert f"kept in {store}/on-uri (config.yaml), checkpoints in {store}/on-uri/checkpoints, prepared data " \
-               f"in {store}/data-cache" in t.describe()  # the run says where everything is
+        assert (
+            f"kept in {store}/on-uri (config.yaml), checkpoints in {store}/on-uri/checkpoints, prepared data "
+            f"in {store}/data-cache" in t.describe()
+        )  # the run says where everything is
     run = tmp_path / "store" / "on-uri"
     assert (run / "config.yaml").is_file() and any((tmp_path / "store" / "data-cache").iterdir())
     assert [c.step for c in CheckpointStore(f"{store}/on-uri/checkpoints").committed()] == [4, 6]

@@ -52,7 +52,9 @@ def test_sweep_prints_its_table_and_nothing_else(tmp_path):
     sweep = tmp_path / "sweep.yaml"
     sweep.write_text(f"base: {ROOT / 'configs/tiny.yaml'}\nset: [train.steps=4, optimizer.warmup_steps=1]\n"
                      "space: {parallel.zero: {grid: [0, 2]}}\nasha: null\n")
-    out = raymp("sweep", str(sweep), "--set", f"output_dir={tmp_path}", "--set", f"data.cache_dir={tmp_path / 'c'}")
+    out = raymp(
+        "sweep", str(sweep), "--set", f"output_dir={tmp_path}", "--set", f"data.cache_dir={tmp_path / 'c'}"
+    )
     printed = out.stdout + out.stderr
     assert out.returncode == 0, printed
     assert not [word for word in NOISE if word in printed], printed
@@ -60,7 +62,9 @@ def test_sweep_prints_its_table_and_nothing_else(tmp_path):
     assert len(rows) == 2 and all(" completed" in r for r in rows), out.stdout
     assert re.search(r"^best: trial \w+, loss=\d", out.stdout, re.M), out.stdout
     out = raymp("sweep", str(sweep), "--set", "parallel.dp=3")  # the base config refuses it, as train would
-    assert out.returncode == 2 and "Traceback" not in out.stderr and "train.global_batch_size (32)" in out.stderr
+    assert (
+        out.returncode == 2 and "Traceback" not in out.stderr and "train.global_batch_size (32)" in out.stderr
+    )
     sweep.write_text(sweep.read_text().replace("parallel.zero", "parallel.zeroo"))
     out = raymp("sweep", str(sweep))
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
@@ -123,7 +127,9 @@ def test_sigint_stops_a_run_started_with_sigint_ignored(tmp_path):
         proc.kill()
     lines = "".join(seen + [out]).splitlines()
     assert proc.returncode == 130, "\n".join(lines[-20:])
-    stopped = next(i for i, line in enumerate(lines) if line.startswith("raymp: stopped (interrupt or SIGTERM)"))
+    stopped = next(
+        i for i, line in enumerate(lines) if line.startswith("raymp: stopped (interrupt or SIGTERM)")
+    )
     last_step = max(i for i, line in enumerate(lines) if line.startswith("step "))
     assert last_step < stopped and "step   500/500" not in lines[last_step], lines[-20:]
 
@@ -141,12 +147,21 @@ def test_sigterm_stops_a_sweep_and_marks_its_runs_killed(tmp_path):
                      "set: [train.steps=500, checkpoint.every=0]\nspace: {parallel.zero: {grid: [0, 2]}}\n")
     proc = subprocess.Popen(
         [sys.executable, "-m", "raymp.cli", "sweep", str(sweep), "--set", f"output_dir={tmp_path}"],
-        cwd=ROOT, env={**os.environ, "RAY_ADDRESS": ""}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=ROOT,
+        env={**os.environ, "RAY_ADDRESS": ""},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
 
     def trial_runs():
         exp = client.get_experiment_by_name("raymp")
-        return [] if exp is None else client.search_runs([exp.experiment_id], "attributes.run_name LIKE 'long-%'")
+        return (
+            []
+            if exp is None
+            else client.search_runs([exp.experiment_id], "attributes.run_name LIKE 'long-%'")
+        )
 
     try:
         # The event: the first trial's MLflow run exists (its actors are up), within a bound.
@@ -160,7 +175,9 @@ def test_sigterm_stops_a_sweep_and_marks_its_runs_killed(tmp_path):
         proc.kill()
     assert proc.returncode == 130, out
     assert "raymp: stopped (interrupt or SIGTERM)" in out and "Traceback" not in out, out
-    runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("raymp").experiment_id])}
+    runs = {
+        r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("raymp").experiment_id])
+    }
     assert runs["long"].info.status == "KILLED"
     trials = [r for name, r in runs.items() if name.startswith("long-")]
     assert len(trials) == 1 and trials[0].info.status == "KILLED"

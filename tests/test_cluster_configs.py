@@ -56,9 +56,13 @@ def _containers(template):
 def _check_cluster_spec(spec):
     assert spec["rayVersion"].startswith("2.")
     head = spec["headGroupSpec"]
-    assert "rayStartParams" in head  # the images: test_kuberay_pods_run_an_image_with_raymp_at_the_tested_ray_version
+    assert (
+        "rayStartParams" in head
+    )  # the images: test_kuberay_pods_run_an_image_with_raymp_at_the_tested_ray_version
     # The job manager on the head reads it (ray job stop: SIGKILL this long after SIGTERM).
-    assert {"name": "RAY_JOB_STOP_WAIT_TIME_S", "value": str(STOP_WAIT_S)} in _containers(head["template"])[0]["env"]
+    assert {"name": "RAY_JOB_STOP_WAIT_TIME_S", "value": str(STOP_WAIT_S)} in _containers(head["template"])[
+        0
+    ]["env"]
     for group in spec["workerGroupSpecs"]:
         assert group["groupName"] and "rayStartParams" in group
         assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
@@ -89,12 +93,18 @@ def test_kuberay_pods_run_an_image_with_raymp_at_the_tested_ray_version():
     docker = (ROOT / "cluster" / "kuberay" / "Dockerfile").read_text()
     base = next(line.split()[1] for line in docker.splitlines() if line.startswith("FROM "))
     pinned = re.search(r'"ray\[[a-z,]+\]>=(\d+\.\d+)', (ROOT / "pyproject.toml").read_text()).group(1)
-    assert base.startswith(f"rayproject/ray:{pinned}.") and "pip install" in docker and "/home/ray/raymp" in docker
+    assert (
+        base.startswith(f"rayproject/ray:{pinned}.")
+        and "pip install" in docker
+        and "/home/ray/raymp" in docker
+    )
     for name in ("raycluster.yaml", "rayjob.yaml"):
         doc = yaml.safe_load((ROOT / "cluster" / "kuberay" / name).read_text())
         spec = doc["spec"].get("rayClusterSpec", doc["spec"])
         groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
-        assert {c["image"] for g in groups for c in _containers(g["template"])} == {"YOUR-REGISTRY/raymp:0.1.0"}
+        assert {c["image"] for g in groups for c in _containers(g["template"])} == {
+            "YOUR-REGISTRY/raymp:0.1.0"
+        }
 
 
 @pytest.mark.parametrize("name", GPU_CONFIGS)

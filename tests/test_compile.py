@@ -46,12 +46,25 @@ def test_compiled_hugging_face_llama_under_tp2_matches_eager(group2, tiny_cfg):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("parallel, model, match", [
-    ({"tp": 2, "sequence_parallel": True}, {}, "train.compile with parallel.sequence_parallel is not supported"),
-    ({"tp": 2}, {"preset": None, "factory": "helpers.custom_model:build",
-                 "factory_tp_plan": "helpers.custom_model:tp_plan"},
-     "train.compile with a model.factory module under parallel.tp > 1"),
-])
+@pytest.mark.parametrize(
+    "parallel, model, match",
+    [
+        (
+            {"tp": 2, "sequence_parallel": True},
+            {},
+            "train.compile with parallel.sequence_parallel is not supported",
+        ),
+        (
+            {"tp": 2},
+            {
+                "preset": None,
+                "factory": "helpers.custom_model:build",
+                "factory_tp_plan": "helpers.custom_model:tp_plan",
+            },
+            "train.compile with a model.factory module under parallel.tp > 1",
+        ),
+    ],
+)
 def test_combinations_compile_gets_wrong_are_refused(parallel, model, match):
     with pytest.raises(ConfigError, match=match):
         config_from_dict({"parallel": {"micro_batch_size": 2, **parallel}, "model": model,

@@ -92,8 +92,9 @@ class ScriptedScaling:
 
 def _controller(run, scaling=None, shared=False):
     said = []
-    controller = ElasticController(run, RecoveryPolicy(run.config.elastic, shared), scaling or ScriptedScaling(),
-                                   said.append)
+    controller = ElasticController(
+        run, RecoveryPolicy(run.config.elastic, shared), scaling or ScriptedScaling(), said.append
+    )
     return controller, said
 
 
@@ -164,11 +165,16 @@ def test_too_many_failures_give_up_and_fail():
 
 
 def test_no_intact_state_fails_at_once():
-    run = ScriptedRun(_config(), relaunch_faults=[CheckpointError("no intact checkpoint in this run's lineage")])
+    run = ScriptedRun(
+        _config(), relaunch_faults=[CheckpointError("no intact checkpoint in this run's lineage")]
+    )
     controller, _ = _controller(run)
     with pytest.raises(CheckpointError):
         controller.recover(_lost())
-    assert _phases(controller) == ["running", "recovering", "restoring", "failed"] and len(controller.failures) == 1
+    assert (
+        _phases(controller) == ["running", "recovering", "restoring", "failed"]
+        and len(controller.failures) == 1
+    )
 
 
 def test_a_refused_failure_changes_no_state():
@@ -221,9 +227,14 @@ def test_a_resize_keeps_survivors_on_exactly_where_the_config_rule_allows_it():
     from raymp.elastic import with_replicas
 
     def hsdp(**elastic):
-        return config_from_dict({"parallel": {"dp": 4, "dp_replicate": 2, "zero": 2, "micro_batch_size": 1},
-                                 "train": {"global_batch_size": 8, "seq_len": 32}, "model": {"preset": "tiny"},
-                                 "elastic": {"keep_survivors": True, **elastic}})
+        return config_from_dict(
+            {
+                "parallel": {"dp": 4, "dp_replicate": 2, "zero": 2, "micro_batch_size": 1},
+                "train": {"global_batch_size": 8, "seq_len": 32},
+                "model": {"preset": "tiny"},
+                "elastic": {"keep_survivors": True, **elastic},
+            }
+        )
 
     one = with_replicas(hsdp(), 1)
     assert one.parallel.dp == 2 and not one.elastic.keep_survivors
@@ -241,7 +252,9 @@ def test_a_resize_keeps_survivors_on_exactly_where_the_config_rule_allows_it():
     ("died", "restoring", True, False, 2, Action.RESTORE),
     ("died", None, True, True, 3, Action.GIVE_UP),  # past elastic.max_restarts=2
 ])
-def test_the_policy_decides_from_the_failure_and_the_run_s_history(kind, during, keep, alive, failures, action):
+def test_the_policy_decides_from_the_failure_and_the_run_s_history(
+    kind, during, keep, alive, failures, action
+):
     cfg = _config(keep_survivors=keep)
     policy = RecoveryPolicy(cfg.elastic, group_is_shared=False)
     state = Recovering(_lost(kind=kind), during=during)
@@ -252,7 +265,13 @@ def test_survivors_without_their_state_reload_it_from_peer_copies():
     run = ScriptedRun(_config(keep_survivors=True, peer_copy_every=2), held=6)
     controller, said = _controller(run)
     event = controller.recover(_lost(rank=1))
-    assert _phases(controller) == ["running", "recovering", "keeping survivors", "reloading survivors", "running"]
+    assert _phases(controller) == [
+        "running",
+        "recovering",
+        "keeping survivors",
+        "reloading survivors",
+        "running",
+    ]
     assert event["recovery"] == "survivors reloaded" and run.calls[-1] == "continue_on_ranks([0], kept=False)"
     assert any("they reload it" in line for line in said)
 
@@ -286,9 +305,14 @@ def test_the_policy_says_what_the_survivors_can_do_with_what_they_hold():
     from raymp.elastic.policy import GoOn, Refuse, Reload
 
     def cfg(**elastic):
-        return config_from_dict({"parallel": {"dp": 4, "zero": 0, "micro_batch_size": 1},
-                                 "train": {"global_batch_size": 8, "seq_len": 32}, "model": {"preset": "tiny"},
-                                 "elastic": {"keep_survivors": True, **elastic}})
+        return config_from_dict(
+            {
+                "parallel": {"dp": 4, "zero": 0, "micro_batch_size": 1},
+                "train": {"global_batch_size": 8, "seq_len": 32},
+                "model": {"preset": "tiny"},
+                "elastic": {"keep_survivors": True, **elastic},
+            }
+        )
 
     policy = RecoveryPolicy(cfg().elastic, group_is_shared=False)
     assert policy.survivors(cfg(), {0: 5, 1: 5, 3: 5}, 5) == GoOn([0, 1], 2)  # 3 copies: 8 splits into 2

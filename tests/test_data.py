@@ -89,7 +89,9 @@ def test_global_order_covers_each_sample_once_per_epoch_independent_of_dp():
     for epoch in range(3):
         assert sorted(stream[epoch * 103:(epoch + 1) * 103].tolist()) == list(range(103))
     # Any split of the same positions gives the same samples: that is what makes resume exact.
-    assert np.array_equal(np.concatenate([order.take(0, 50), order.take(50, 200), order.take(250, 66)]), stream)
+    assert np.array_equal(
+        np.concatenate([order.take(0, 50), order.take(50, 200), order.take(250, 66)]), stream
+    )
     batch = stream[:8]
     for dp in (1, 2, 4, 8):
         assert np.array_equal(np.concatenate([replica_slice(batch, dp, r) for r in range(dp)]), batch)

@@ -91,7 +91,9 @@ def test_resume_refuses_another_dataset_or_seed(small_corpus_cfg, group2):
         Trainer(other_seed, actor_group=group2, progress=False, data_position=saved).setup()
     bad = dict(saved, dataset="0000-byte-L16")
     with pytest.raises(ValueError, match="cannot resume the data position: it was saved with dataset"):
-        Trainer(small_corpus_cfg(dp=2, steps=6), actor_group=group2, progress=False, data_position=bad).setup()
+        Trainer(
+            small_corpus_cfg(dp=2, steps=6), actor_group=group2, progress=False, data_position=bad
+        ).setup()
     assert DataPosition.from_dict(saved).step == 3
 
 

@@ -21,7 +21,10 @@ from test_hf_models import FAMILIES, SLIDING, WEIGHT_ATOL, hf_run  # noqa: E402
 from test_parity_dp import LOSS_RTOL, assert_losses_match, assert_weights_match  # noqa: E402
 
 EOT = 7
-HF_CONFIGS = {**FAMILIES, **{f"{name}-window8": {**cfg, "sliding_window": 8} for name, cfg in SLIDING.items()}}
+HF_CONFIGS = {
+    **FAMILIES,
+    **{f"{name}-window8": {**cfg, "sliding_window": 8} for name, cfg in SLIDING.items()},
+}
 
 
 def packed_tokens() -> torch.Tensor:
@@ -67,7 +70,9 @@ def test_hf_model_sees_each_document_alone_as_transformers_computes_it(family):
     positions in the row (sliding windows of 8 inside documents of up to 19 tokens)."""
     spec = HFSpec(load_hf_config(None, HF_CONFIGS[family]), None, seed=3)
     model = build_model(spec, 3).eval()
-    reference = transformers.AutoModelForCausalLM.from_config(spec.hf_config, attn_implementation="sdpa").eval()
+    reference = transformers.AutoModelForCausalLM.from_config(
+        spec.hf_config, attn_implementation="sdpa"
+    ).eval()
     reference.load_state_dict(to_hf_state_dict(spec.model_type, model.state_dict(), spec.tie_embeddings),
                               strict=False)
     tokens = packed_tokens()
@@ -75,13 +80,19 @@ def test_hf_model_sees_each_document_alone_as_transformers_computes_it(family):
         masked = model(tokens, document_ids=document_ids(tokens, EOT))
         for b in range(len(tokens)):
             for start, end in documents(tokens[b]):
-                alone = reference(tokens[b:b + 1, start:end], position_ids=torch.arange(start, end)[None]).logits
+                alone = reference(
+                    tokens[b : b + 1, start:end], position_ids=torch.arange(start, end)[None]
+                ).logits
                 torch.testing.assert_close(masked[b:b + 1, start:end], alone, rtol=0, atol=1e-5)
 
 
 def test_document_mask_with_a_factory_model_is_refused():
-    with pytest.raises(ConfigError, match="data.document_mask needs the built-in model or a Hugging Face one"):
-        config_from_dict({"model": {"factory": "helpers.custom_model:build"}, "data": {"document_mask": True}})
+    with pytest.raises(
+        ConfigError, match="data.document_mask needs the built-in model or a Hugging Face one"
+    ):
+        config_from_dict(
+            {"model": {"factory": "helpers.custom_model:build"}, "data": {"document_mask": True}}
+        )
 
 
 # -- parity against one process -------------------------------------------------------------------
@@ -99,7 +110,9 @@ def check_masked_parity(cfg: dict, group, weight_atol=2e-5) -> list[float]:
     ref_losses, ref_state = train_single_process(config_from_dict(cfg))
     assert_losses_match([m["loss"] for m in history], ref_losses, LOSS_RTOL)
     assert_weights_match(state, ref_state, atol=weight_atol)
-    assert history[-1]["val_loss"] == pytest.approx(single_process_val_loss(config_from_dict(cfg), state), rel=1e-5)
+    assert history[-1]["val_loss"] == pytest.approx(
+        single_process_val_loss(config_from_dict(cfg), state), rel=1e-5
+    )
     return ref_losses
 
 

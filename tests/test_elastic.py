@@ -75,7 +75,9 @@ def test_gives_up_after_max_restarts(tiny_cfg, tmp_path):
     try:
         trainer.setup()
         kill_rank_after(trainer, 3, committed=True)
-        with pytest.raises(ElasticError, match=r"giving up after 1 failures \(elastic.max_restarts=0\).*rank 1"):
+        with pytest.raises(
+            ElasticError, match=r"giving up after 1 failures \(elastic.max_restarts=0\).*rank 1"
+        ):
             trainer.fit()
         # Its last checkpoint is committed for a later resume.
         assert trainer.checkpoints.store.latest().step >= 2
@@ -113,12 +115,36 @@ def test_local_cluster_helper_shows_a_node_loss_and_return(tmp_path, data_cache)
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "RAY_ADDRESS": ""}
     out = subprocess.run(
-        [sys.executable, str(root / "cluster" / "local_cluster.py"), str(root / "configs" / "tiny-elastic.yaml"),
-         "--set", "train.steps=16", "--set", "train.seq_len=32", "--set", "checkpoint.every=4",
-         "--set", f"checkpoint.dir={tmp_path}/ck", "--set", f"output_dir={tmp_path}/runs",
-         "--set", f"data.cache_dir={data_cache}", "--set", "elastic.wait_for_resources_s=1",
-         "--kill-at", "5", "--add-at", "9"],
-        capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL, cwd=root)
+        [
+            sys.executable,
+            str(root / "cluster" / "local_cluster.py"),
+            str(root / "configs" / "tiny-elastic.yaml"),
+            "--set",
+            "train.steps=16",
+            "--set",
+            "train.seq_len=32",
+            "--set",
+            "checkpoint.every=4",
+            "--set",
+            f"checkpoint.dir={tmp_path}/ck",
+            "--set",
+            f"output_dir={tmp_path}/runs",
+            "--set",
+            f"data.cache_dir={data_cache}",
+            "--set",
+            "elastic.wait_for_resources_s=1",
+            "--kill-at",
+            "5",
+            "--add-at",
+            "9",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        cwd=root,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "[cluster] removed node 0" in out.stdout and "[cluster] added node" in out.stdout
     assert "failure restart 1: dp=2 pp=2 tp=1 zero=2 -> dp=1 pp=2" in out.stdout

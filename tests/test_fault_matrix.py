@@ -19,7 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from faults import DAMAGE, STEPS, Reference, check_against_reference, copy_checkpoints, kill_rank_after, matrix_cfg
+from faults import (
+    DAMAGE,
+    STEPS,
+    Reference,
+    check_against_reference,
+    copy_checkpoints,
+    kill_rank_after,
+    matrix_cfg,
+)
 from raymp import Trainer
 from raymp.checkpoint.store import CheckpointError, CheckpointStore
 from raymp.runtime.actor_group import ActorGroup, PlacementError, WorkerLostError
@@ -47,8 +55,9 @@ def saved(data_cache, tmp_path_factory, group2):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("damage", list(DAMAGE))
-def test_damaged_newest_checkpoint_falls_back_to_the_previous(damage, saved, ref, data_cache, group2, tmp_path,
-                                                              capsys):
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(
+    damage, saved, ref, data_cache, group2, tmp_path, capsys
+):
     ckpt = copy_checkpoints(saved["dir"], tmp_path / "checkpoints")
     DAMAGE[damage](ckpt / "step-00000006")
     with Trainer(matrix_cfg(tmp_path, data_cache, ckpt), actor_group=group2, progress=False) as t:
@@ -64,7 +73,9 @@ def test_no_intact_checkpoint_stops_instead_of_starting_over(saved, data_cache, 
     ckpt = copy_checkpoints(saved["dir"], tmp_path / "checkpoints")
     for step in (2, 4, 6):
         DAMAGE["bytes flipped inside a tensor"](ckpt / f"step-{step:08d}")
-    with pytest.raises(CheckpointError, match="no intact checkpoint in this run's lineage: step 6 .*step 4 .*step 2"):
+    with pytest.raises(
+        CheckpointError, match="no intact checkpoint in this run's lineage: step 6 .*step 4 .*step 2"
+    ):
         Trainer(matrix_cfg(tmp_path, data_cache, ckpt), actor_group=group2, progress=False).setup()
 
 
@@ -77,8 +88,12 @@ def test_checkpoint_list_shows_damaged_ones_and_never_crashes(saved, tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
     lines = out.stdout.splitlines()
-    assert any("step-00000006" in line and "damaged" in line and "marker" in line for line in lines), out.stdout
-    assert any("step-00000004" in line and "damaged" in line and "checksum" in line for line in lines), out.stdout
+    assert any(
+        "step-00000006" in line and "damaged" in line and "marker" in line for line in lines
+    ), out.stdout
+    assert any(
+        "step-00000004" in line and "damaged" in line and "checksum" in line for line in lines
+    ), out.stdout
     assert any("step-00000002" in line and "step 2" in line and "damaged" not in line for line in lines)
 
 
@@ -117,7 +132,9 @@ def test_pruning_never_deletes_an_intact_checkpoint_while_keeping_a_damaged_one(
         for f in shards.iterdir():
             if f.name != "raymp.json":
                 (path / f.name).write_bytes(f.read_bytes())
-        meta = {k: v for k, v in template.items() if k not in ("step", "files", "marker_sha256", "committed_at")}
+        meta = {
+            k: v for k, v in template.items() if k not in ("step", "files", "marker_sha256", "committed_at")
+        }
         store.commit(step, meta, directory_files(str(path)))
         kept = sorted(p.name for p in ckpt.iterdir())
         if step == 8:  # 8 and 4 are the two intact ones kept; damaged 6 between them stays
@@ -157,7 +174,9 @@ def _make_read_only(path: Path):
 def disk_full_group(ray_local):
     from helpers.ckpt_workers import FailingStorageWorker
 
-    group = ActorGroup(2, "cpu", placement_timeout_s=60, collective_timeout_s=60, worker_cls=FailingStorageWorker)
+    group = ActorGroup(
+        2, "cpu", placement_timeout_s=60, collective_timeout_s=60, worker_cls=FailingStorageWorker
+    )
     yield group
     group.shutdown()
 
@@ -181,7 +200,10 @@ def test_full_disk_save_removes_its_partial_dir_and_a_finished_run_stays_finishe
     assert failed == [4, 6, 8]
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000002"]  # no partial dirs left
     out = capsys.readouterr().out
-    assert "checkpoint of step 8 failed on" in out and "on rank 1: OSError: [Errno 28] No space left on device" in out
+    assert (
+        "checkpoint of step 8 failed on" in out
+        and "on rank 1: OSError: [Errno 28] No space left on device" in out
+    )
     assert "partial directory removed" in out
     assert "MiB free on the disk holding" in out  # named whatever the writer's own error says
     from mlflow.tracking import MlflowClient
@@ -193,12 +215,16 @@ def test_full_disk_save_removes_its_partial_dir_and_a_finished_run_stays_finishe
 def test_storage_slower_than_write_timeout_gives_the_save_up(data_cache, tmp_path, ref, capsys):
     from helpers.ckpt_workers import SlowStorageWorker
 
-    group = ActorGroup(2, "cpu", placement_timeout_s=60, collective_timeout_s=60, worker_cls=SlowStorageWorker)
+    group = ActorGroup(
+        2, "cpu", placement_timeout_s=60, collective_timeout_s=60, worker_cls=SlowStorageWorker
+    )
     try:
         group.call("slow_writes_from", 8, 30.0)  # the final save takes 30 s; the limit is 1 s
         # The final save is the only one: an earlier one, waited for at most 1 s two steps after it
         # started, would race the machine's speed.
-        cfg = matrix_cfg(tmp_path, data_cache, checkpoint={"every": 8, "write_timeout_s": 1, "async_save": True})
+        cfg = matrix_cfg(
+            tmp_path, data_cache, checkpoint={"every": 8, "write_timeout_s": 1, "async_save": True}
+        )
         with Trainer(cfg, actor_group=group) as t:
             history = t.fit()
             assert [step for step, _ in t.checkpoints.failed] == [8]
@@ -349,7 +375,9 @@ def test_second_sigterm_while_committing_is_held_and_a_slow_write_is_waited_for(
         return stop(self, group)
 
     monkeypatch.setattr(CheckpointCoordinator, "stop", stop_signalled_again)
-    group = ActorGroup(2, "cpu", placement_timeout_s=60, collective_timeout_s=60, worker_cls=SlowStorageWorker)
+    group = ActorGroup(
+        2, "cpu", placement_timeout_s=60, collective_timeout_s=60, worker_cls=SlowStorageWorker
+    )
     try:
         group.call("slow_writes_from", 4, 3.0)
         cfg = matrix_cfg(tmp_path, data_cache)
@@ -368,7 +396,9 @@ def test_second_sigterm_while_committing_is_held_and_a_slow_write_is_waited_for(
 
 
 @pytest.mark.timeout(300)
-def test_warm_start_then_a_failure_before_the_first_save_resumes_from_the_source(saved, ref, data_cache, tmp_path):
+def test_warm_start_then_a_failure_before_the_first_save_resumes_from_the_source(
+    saved, ref, data_cache, tmp_path
+):
     """Issue: the restart found no checkpoint in its own dir and silently started from scratch."""
     source = f"{saved['dir']}/step-00000004"
     cfg = matrix_cfg(tmp_path, data_cache, checkpoint={"resume": source, "every": 3})
@@ -435,7 +465,9 @@ def test_rerunning_a_warm_start_command_continues_its_own_lineage(saved, ref, da
 def test_warm_start_into_a_dir_of_another_run_is_refused(saved, data_cache, tmp_path, group2):
     other = copy_checkpoints(saved["dir"], tmp_path / "other")
     cfg = matrix_cfg(tmp_path, data_cache, other, checkpoint={"resume": f"{saved['dir']}/step-00000002"})
-    with pytest.raises(CheckpointError, match="holds checkpoints of another run; a warm start .* needs a checkpoint.dir"):
+    with pytest.raises(
+        CheckpointError, match="holds checkpoints of another run; a warm start .* needs a checkpoint.dir"
+    ):
         Trainer(cfg, actor_group=group2, progress=False).setup()
 
 
@@ -454,7 +486,9 @@ def test_failure_before_any_checkpoint_starts_over_from_step_0(ref, data_cache, 
 
 
 @pytest.mark.timeout(240)
-def test_warm_start_applies_the_configs_learning_rate_and_says_so(saved, data_cache, tmp_path, group2, capsys):
+def test_warm_start_applies_the_configs_learning_rate_and_says_so(
+    saved, data_cache, tmp_path, group2, capsys
+):
     """Issue: a warm start kept the checkpoint's lr while MLflow logged the new one."""
     from raymp.optim import lr_factor
 
@@ -467,7 +501,9 @@ def test_warm_start_applies_the_configs_learning_rate_and_says_so(saved, data_ca
     same = [m["loss"] for m in saved["history"][4:6]]
     assert history[0]["loss"] == pytest.approx(same[0], rel=1e-6)  # the first step: restored weights
     assert history[1]["loss"] != pytest.approx(same[1], rel=1e-6)  # then: trained with the new lr
-    assert "the config's optimizer.lr=0.002 applies (the checkpoint's run had 0.01)" in capsys.readouterr().out
+    assert (
+        "the config's optimizer.lr=0.002 applies (the checkpoint's run had 0.01)" in capsys.readouterr().out
+    )
 
 
 @pytest.mark.timeout(240)
@@ -477,7 +513,9 @@ def test_a_stopped_run_publishes_every_step_its_kept_checkpoint_holds(ref, data_
     the rest (held steps after it are dropped, never published twice)."""
     from mlflow.tracking import MlflowClient
 
-    cfg = matrix_cfg(tmp_path, data_cache, tracking={"enabled": True, "tracking_uri": f"sqlite:///{tmp_path}/m.db"})
+    cfg = matrix_cfg(
+        tmp_path, data_cache, tracking={"enabled": True, "tracking_uri": f"sqlite:///{tmp_path}/m.db"}
+    )
     with Trainer(cfg, actor_group=group2, progress=False) as t:
         def stop_after_5(name, info):
             if name == "step" and info["done"] == 5:
@@ -498,7 +536,9 @@ def test_a_stopped_run_publishes_every_step_its_kept_checkpoint_holds(ref, data_
 
 
 @pytest.mark.timeout(400)
-def test_a_stopped_rank_is_caught_by_the_automatic_step_deadline_and_the_run_recovers(ref, data_cache, tmp_path):
+def test_a_stopped_rank_is_caught_by_the_automatic_step_deadline_and_the_run_recovers(
+    ref, data_cache, tmp_path
+):
     """SIGSTOP of one rank with the shipped defaults (no elastic.step_timeout_s): the step waits
     hang_factor x the slowest step so far, at least hang_floor_s (60 s), then the run restarts
     from its checkpoint; every step once, equal to one process. Its own actors: the stopped one
@@ -535,7 +575,9 @@ def test_a_stopped_rank_is_caught_by_the_automatic_step_deadline_and_the_run_rec
 def test_mlflow_records_each_step_once_and_numbers_restarts_across_drivers(ref, data_cache, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    cfg = matrix_cfg(tmp_path, data_cache, tracking={"enabled": True, "tracking_uri": f"sqlite:///{tmp_path}/m.db"})
+    cfg = matrix_cfg(
+        tmp_path, data_cache, tracking={"enabled": True, "tracking_uri": f"sqlite:///{tmp_path}/m.db"}
+    )
     first = Trainer(cfg, progress=False)
     try:
         first.setup()

@@ -91,7 +91,9 @@ def test_node_loss_dp2_pp2(results, refs):
 
 
 def test_node_loss_3d(results, refs):
-    r = finished(results, "node loss, dp2 x pp2 x tp2 -> dp1 x pp2 x tp2", refs(parallel={"micro_batch_size": 1}))
+    r = finished(
+        results, "node loss, dp2 x pp2 x tp2 -> dp1 x pp2 x tp2", refs(parallel={"micro_batch_size": 1})
+    )
     after = r["restarts"][0]["layout_after"]
     assert (after["dp"], after["pp"], after["tp"]) == (1, 2, 2)
 
@@ -112,15 +114,21 @@ def test_node_loss_survivors_keep_their_state(results, refs, name, dp, kept_dp, 
     assert event["resumed_step"] == event["failed_step"]
     assert len(event["pids"]) == kept_ranks and set(event["pids"]) <= set(r["pids_before"])
     assert restart_layouts(r) == [("failure", dp, kept_dp)]
-    assert [event["layout_after"][d] for d in ("pp", "tp")] == [event["layout_before"][d] for d in ("pp", "tp")]
+    assert [event["layout_after"][d] for d in ("pp", "tp")] == [
+        event["layout_before"][d] for d in ("pp", "tp")
+    ]
 
 
 def test_the_returning_node_joins_from_a_live_peer(results, refs):
     """The survivor goes on alone; once the node is back, a new rank starts in the lost rank's
     re-placed bundle and takes its state from the survivor's memory: no checkpoint read, no
     step redone, the survivor's process the same throughout."""
-    r = finished(results, "node loss, survivors keep their state, the node returns and joins from a live peer, "
-                 "dp2 -> dp1 -> dp2", refs(parallel={"micro_batch_size": 1}))
+    r = finished(
+        results,
+        "node loss, survivors keep their state, the node returns and joins from a live peer, "
+        "dp2 -> dp1 -> dp2",
+        refs(parallel={"micro_batch_size": 1}),
+    )
     survived, joined = r["restarts"]
     assert (survived["recovery"], joined["recovery"]) == ("survivors", "live join")
     assert survived["checkpoint"] is None and joined["checkpoint"] is None
@@ -132,8 +140,12 @@ def test_the_returning_node_joins_from_a_live_peer(results, refs):
 
 
 def test_a_replacement_on_a_spare_node_joins_from_a_live_peer(results, refs):
-    r = finished(results, "node loss with a spare node, survivors keep their state, a replacement joins from a "
-                 "live peer, dp2", refs(parallel={"micro_batch_size": 1}))
+    r = finished(
+        results,
+        "node loss with a spare node, survivors keep their state, a replacement joins from a "
+        "live peer, dp2",
+        refs(parallel={"micro_batch_size": 1}),
+    )
     survived, joined = r["restarts"]
     assert (survived["recovery"], joined["recovery"]) == ("survivors", "live join")
     assert survived["checkpoint"] is None and joined["checkpoint"] is None
@@ -144,8 +156,11 @@ def test_a_replacement_on_a_spare_node_joins_from_a_live_peer(results, refs):
 def test_node_loss_restores_the_peer_copy_from_the_other_node(results, refs):
     """ZeRO-3 over two nodes: what rank 1 held is only on its node and in the peer copy on rank
     0's node. The restart (dp=1, a new layout) loads that copy: no checkpoint read from storage."""
-    r = finished(results, "node loss, ZeRO-3 dp2 -> dp1 from the peer copy on the other node, nothing on storage",
-                 refs())
+    r = finished(
+        results,
+        "node loss, ZeRO-3 dp2 -> dp1 from the peer copy on the other node, nothing on storage",
+        refs(),
+    )
     (event,) = r["restarts"]
     copy = r["copy"]
     assert copy["copy_nodes"] == copy["nodes"][::-1] and copy["nodes"][0] != copy["nodes"][1]
@@ -154,8 +169,11 @@ def test_node_loss_restores_the_peer_copy_from_the_other_node(results, refs):
 
 
 def test_a_group_on_one_node_keeps_its_peer_copy_on_another(results, refs):
-    r = finished(results, "node loss of the node holding every rank, dp2 restarts from the peer copy on another node",
-                 refs())
+    r = finished(
+        results,
+        "node loss of the node holding every rank, dp2 restarts from the peer copy on another node",
+        refs(),
+    )
     (event,) = r["restarts"]
     copy = r["copy"]
     assert len(set(copy["nodes"])) == 1 and set(copy["copy_nodes"]).isdisjoint(copy["nodes"])

@@ -17,7 +17,9 @@ def test_only_the_blocks_linears_with_dimensions_of_sixteen_convert():
     chosen = {fqn for fqn, module in model.named_modules() if converts(fqn, module)}
     linears = {fqn for fqn, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
     assert chosen and all(fqn.startswith("layers.") for fqn in chosen)
-    assert linears - chosen == {fqn for fqn in linears if not fqn.startswith("layers.")}  # the head stays bf16
+    assert linears - chosen == {
+        fqn for fqn in linears if not fqn.startswith("layers.")
+    }  # the head stays bf16
     odd = torch.nn.Linear(64, 250)
     assert not converts("layers.0.feed_forward.w9", odd)
 

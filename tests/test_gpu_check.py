@@ -35,7 +35,10 @@ def test_the_section_replaces_its_predecessor_only():
     fp8 = {**row, "run": "raymp fp8", "guard": guardrail([10.0, 9.0, 8.0], [10.0, 9.1, 8.1])}
     failed = {"run": TORCHTITAN, "error": "not run: no network"}
     text = section([row, fp8, failed], "setup line", ["a note"])
-    assert text.startswith(TITLE) and "| raymp dp=1 | 1 | 12,346 | 41.2% | 0.97x | 30.2 | 28.0 | 10.5000 | 9.8765 | - |" in text
+    assert (
+        text.startswith(TITLE)
+        and "| raymp dp=1 | 1 | 12,346 | 41.2% | 0.97x | 30.2 | 28.0 | 10.5000 | 9.8765 | - |" in text
+    )
     assert "| raymp fp8 | 1 |" in text and "within 3%: last 3 steps 0.74% apart, worst step 1.23%" in text
     assert f"| {TORCHTITAN} | - | - | - | - | - | - | - | - | not run: no network |" in text
     assert text.endswith("- a note\n")
@@ -51,19 +54,38 @@ def test_the_section_replaces_its_predecessor_only():
 def test_run_all_update_replaces_the_named_sections_in_place(tmp_path):
     from benchmarks.run_all import _options, _section_lines
 
-    result = {"title": "2. Next", "setup": "new setup", "columns": ["a"], "rows": [[1]], "notes": [], "wall_s": 3}
+    result = {
+        "title": "2. Next",
+        "setup": "new setup",
+        "columns": ["a"],
+        "rows": [[1]],
+        "notes": [],
+        "wall_s": 3,
+    }
     doc = "# Benchmarks\n\n## 1. First\n\nrows\n\n## 2. Next\n\nold\n\n## 3. Last\n\nmore\n"
     new = replace_section(doc, "\n".join(_section_lines(result, "; regenerated")) + "\n", "## 2. Next")
-    assert "old" not in new and "new setup" in new and "_Section wall time: 3 s; regenerated._\n\n## 3. Last" in new
+    assert (
+        "old" not in new
+        and "new setup" in new
+        and "_Section wall time: 3 s; regenerated._\n\n## 3. Last" in new
+    )
     assert new.startswith("# Benchmarks\n\n## 1. First\n\nrows\n\n## 2. Next\n")
     with pytest.raises(SystemExit):  # nothing to update in place
         _options(["--only", "elastic", "--update", "--out", str(tmp_path / "missing.md")])
 
 
 def test_fp8_guardrail_band():
-    assert guardrail([5.0, 4.0, 3.0, 2.0], [5.0, 4.0, 3.0, 2.0]) == {"worst_step": 0.0, "end": 0.0, "within": True}
+    assert guardrail([5.0, 4.0, 3.0, 2.0], [5.0, 4.0, 3.0, 2.0]) == {
+        "worst_step": 0.0,
+        "end": 0.0,
+        "within": True,
+    }
     far = guardrail([5.0, 4.5, 4.0, 3.5], [5.0, 4.0, 3.0, 2.0])
-    assert not far["within"] and far["end"] == pytest.approx(3.0 / 9.0) and far["worst_step"] == pytest.approx(0.75)
+    assert (
+        not far["within"]
+        and far["end"] == pytest.approx(3.0 / 9.0)
+        and far["worst_step"] == pytest.approx(0.75)
+    )
 
 
 def test_runs_most_important_first_and_configs_that_validate(tmp_path):
@@ -84,11 +106,24 @@ def test_runs_most_important_first_and_configs_that_validate(tmp_path):
     assert not any("ZeRO-3" in name for name in runs)  # one GPU: no dp=N run
     assert any("ZeRO-3" in name for name in the_runs(resolve_gpus(options([]), 2, "NVIDIA H100")))
     for name, (gpus, _, changes) in runs.items():
-        cfg = _merge(run_config("x", str(tmp_path), preset="llama-1b", seq_len=2048, device="cuda", precision="bf16",
-                                global_batch=4, micro_batch=4), changes)
+        cfg = _merge(
+            run_config(
+                "x",
+                str(tmp_path),
+                preset="llama-1b",
+                seq_len=2048,
+                device="cuda",
+                precision="bf16",
+                global_batch=4,
+                micro_batch=4,
+            ),
+            changes,
+        )
         parsed = config_from_dict(cfg)  # every run's config passes raymp's own rules
         assert parsed.precision == ("fp8" if "fp8" in name else "bf16")
-        assert parsed.train.compile is (False if "eager" in name and "raymp" in name else True if "raymp" in name else None)
+        assert parsed.train.compile is (
+            False if "eager" in name and "raymp" in name else True if "raymp" in name else None
+        )
     assert config_from_dict(_merge(run_config("x", str(tmp_path), device="cuda", precision="bf16"),
                                    runs["raymp dp=1, fp8 rowwise compiled"][2])).float8.recipe == "rowwise"
 
@@ -96,13 +131,19 @@ def test_runs_most_important_first_and_configs_that_validate(tmp_path):
 def test_torchtitan_log_lines_give_the_timed_row():
     from benchmarks.torchtitan_peer import parse_log, summarize
 
-    lines = [f"[rank0]:[titan] 2026-11-27 01:00:0{s},000 - root - INFO - \x1b[31mstep: {s:2}  \x1b[32mloss: {12 - s:8.5f}  "
-             f"grad_norm:  1.2345  memory: {30 + s:5.2f}GiB(38.00%)  tps: {40000 + 1000 * s:,}  tflops: 300.00  mfu: 30.00%"
-             for s in range(1, 6)]
+    lines = [
+        f"[rank0]:[titan] 2026-11-27 01:00:0{s},000 - root - INFO - \x1b[31mstep: {s:2}  \x1b[32mloss: {12 - s:8.5f}  "
+        f"grad_norm:  1.2345  memory: {30 + s:5.2f}GiB(38.00%)  tps: {40000 + 1000 * s:,}  tflops: 300.00  mfu: 30.00%"
+        for s in range(1, 6)
+    ]
     rows = parse_log("\n".join(["noise", *lines, "[rank0]: Training completed"]))
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and rows[2]["loss"] == 9.0 and rows[4]["tps"] == 45000
     row = summarize(rows, batch=4, seq_len=2048)
-    assert row["step_s"] == pytest.approx(4 * 2048 / 44000) and row["peak_gib"] == 35.0 and row["losses"][0] == 11.0
+    assert (
+        row["step_s"] == pytest.approx(4 * 2048 / 44000)
+        and row["peak_gib"] == 35.0
+        and row["losses"][0] == 11.0
+    )
     with pytest.raises(RuntimeError, match="logged 2 training steps"):
         summarize(rows[:2], 4, 2048)
 

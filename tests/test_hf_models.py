@@ -74,7 +74,9 @@ def test_sliding_window_attention_is_transformers_forward(family):
     including those past the window (without the mask they differed by 0.26 from position 16)."""
     spec = HFSpec(load_hf_config(None, SLIDING[family]), None, seed=3)
     model = build_model(spec, 3).eval()
-    reference = transformers.AutoModelForCausalLM.from_config(spec.hf_config, attn_implementation="sdpa").eval()
+    reference = transformers.AutoModelForCausalLM.from_config(
+        spec.hf_config, attn_implementation="sdpa"
+    ).eval()
     reference.load_state_dict(to_hf_state_dict(spec.model_type, model.state_dict(), spec.tie_embeddings),
                               strict=False)
     with torch.no_grad():
@@ -90,15 +92,26 @@ def test_model_config_takes_its_shape_from_the_hf_config():
     assert config_from_dict({"model": {"hf_config": GPT2}}).model.tie_embeddings
 
 
-@pytest.mark.parametrize("model,parallel,match", [
-    ({"hf": "meta-llama/Llama-3.2-1B-not-here"}, {}, "does not download"),
-    ({"hf_config": {**LLAMA, "model_type": "bert"}}, {}, "model_type 'bert' is not supported"),
-    ({"hf_config": LLAMA, "dim": 128}, {}, "model.dim come from the Hugging Face config"),
-    ({"hf_config": LLAMA, "factory": "x:y"}, {}, "set one of model.hf_config or model.factory"),
-    ({"hf_config": {**LLAMA, "num_key_value_heads": 1}}, {"tp": 2}, r"must divide num_key_value_heads \(1\)"),
-    ({"hf_config": GPT2}, {"tp": 2, "sequence_parallel": True}, "not implemented for the Hugging Face gpt2 model"),
-    ({"factory": "helpers.custom_model:build"}, {"tp": 2}, "model.factory_tp_plan"),
-])
+@pytest.mark.parametrize(
+    "model,parallel,match",
+    [
+        ({"hf": "meta-llama/Llama-3.2-1B-not-here"}, {}, "does not download"),
+        ({"hf_config": {**LLAMA, "model_type": "bert"}}, {}, "model_type 'bert' is not supported"),
+        ({"hf_config": LLAMA, "dim": 128}, {}, "model.dim come from the Hugging Face config"),
+        ({"hf_config": LLAMA, "factory": "x:y"}, {}, "set one of model.hf_config or model.factory"),
+        (
+            {"hf_config": {**LLAMA, "num_key_value_heads": 1}},
+            {"tp": 2},
+            r"must divide num_key_value_heads \(1\)",
+        ),
+        (
+            {"hf_config": GPT2},
+            {"tp": 2, "sequence_parallel": True},
+            "not implemented for the Hugging Face gpt2 model",
+        ),
+        ({"factory": "helpers.custom_model:build"}, {"tp": 2}, "model.factory_tp_plan"),
+    ],
+)
 def test_bad_model_configs_fail_early_and_name_the_fix(model, parallel, match):
     with pytest.raises(ConfigError, match=match):
         config_from_dict({"model": model, "parallel": {"dp": 1, **parallel}})
@@ -139,22 +152,39 @@ def test_sliding_window_mistral_matches_single_process(layout, group2, tiny_cfg)
 def test_llama_with_sequence_parallelism_matches_single_process(group2, tiny_cfg):
     """Between layers each rank holds half of the sequence; rotary tables and masks are the
     whole sequence's."""
-    check_parity(hf_run(tiny_cfg, {"hf_config": LLAMA}, {**LAYOUTS["tp2"], "sequence_parallel": True}), group2,
-                 weight_atol=WEIGHT_ATOL)
+    check_parity(
+        hf_run(tiny_cfg, {"hf_config": LLAMA}, {**LAYOUTS["tp2"], "sequence_parallel": True}),
+        group2,
+        weight_atol=WEIGHT_ATOL,
+    )
 
 
 def test_sliding_qwen2_pp2_tp2_sp_with_document_mask_matches_single_process(group4, tiny_cfg):
     """Everything at once on 4 actors: the last stage's ranks get sequence slices from the first
     stage and must still build masks (sliding window, documents) for the whole sequence."""
-    parallel = {"dp": 1, "pp": 2, "tp": 2, "sequence_parallel": True, "micro_batch_size": 1, "schedule": "1f1b"}
-    check_parity(hf_run(tiny_cfg, {"hf_config": SLIDING["qwen2"]}, parallel, data={"document_mask": True}), group4,
-                 weight_atol=WEIGHT_ATOL)
+    parallel = {
+        "dp": 1,
+        "pp": 2,
+        "tp": 2,
+        "sequence_parallel": True,
+        "micro_batch_size": 1,
+        "schedule": "1f1b",
+    }
+    check_parity(
+        hf_run(tiny_cfg, {"hf_config": SLIDING["qwen2"]}, parallel, data={"document_mask": True}),
+        group4,
+        weight_atol=WEIGHT_ATOL,
+    )
 
 
 def test_factory_module_under_dp_zero3_pp_and_tp(group2, tiny_cfg):
     """A module raymp has never seen: ZeRO-3 needs nothing of it, the pipeline its stageable
     shape, tensor parallelism the plan named in the config."""
-    model = {"preset": None, "factory": "helpers.custom_model:build", "factory_tp_plan": "helpers.custom_model:tp_plan"}
+    model = {
+        "preset": None,
+        "factory": "helpers.custom_model:build",
+        "factory_tp_plan": "helpers.custom_model:tp_plan",
+    }
     for name in ("dp2-zero3", "pp2", "tp2"):
         check_parity(hf_run(tiny_cfg, model, LAYOUTS[name]), group2, weight_atol=WEIGHT_ATOL)
 
@@ -200,7 +230,9 @@ def test_pp2_tp2_loading_holds_a_quarter_of_the_weights_per_rank(big_llama_dir, 
             loads = [info.setup_peak_bytes for info in trainer.session.setup_info]
             loss = trainer.step()["loss"]
         for rank, grew in enumerate(loads):
-            assert grew <= 0.40 * full, f"rank {rank} grew {grew / 2**20:.0f} MiB for {full / 2**20:.0f} MiB of weights"
+            assert (
+                grew <= 0.40 * full
+            ), f"rank {rank} grew {grew / 2**20:.0f} MiB for {full / 2**20:.0f} MiB of weights"
         ref, _ = train_single_process(config_from_dict(cfg), steps=1)
         assert_losses_match([loss], ref, 1e-5)
         whole = hf_run(tiny_cfg, model, {"dp": 4, "micro_batch_size": 1}, steps=1)
@@ -226,7 +258,9 @@ def test_train_pp2_tp2_export_and_reload_in_transformers(family, group4, tiny_cf
     if family == "gpt2":  # the command line, given the run's checkpoint dir (takes the latest)
         from raymp.cli import main
 
-        assert main(["checkpoint", "export", str(tmp_path / "ckpt"), "--hf", "--out", str(tmp_path / "hf")]) == 0
+        assert (
+            main(["checkpoint", "export", str(tmp_path / "ckpt"), "--hf", "--out", str(tmp_path / "hf")]) == 0
+        )
     else:
         assert export_hf_dir(str(tmp_path / "ckpt" / "step-00000003"), str(tmp_path / "hf"))["step"] == 3
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
@@ -242,14 +276,33 @@ def test_train_pp2_tp2_export_and_reload_in_transformers(family, group4, tiny_cf
 
 # -- mixture-of-experts families ------------------------------------------------------------------
 
-_MOE_BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=128)
+_MOE_BASE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 MOE_FAMILIES = {
     "mixtral": dict(_MOE_BASE, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": dict(_MOE_BASE, model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=64),
-    "qwen3_moe": dict(_MOE_BASE, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                      head_dim=16),
+    "qwen2_moe": dict(
+        _MOE_BASE,
+        model_type="qwen2_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+    ),
+    "qwen3_moe": dict(
+        _MOE_BASE,
+        model_type="qwen3_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        head_dim=16,
+    ),
 }
 
 
@@ -276,7 +329,9 @@ def test_moe_family_is_transformers_forward_and_exports_to_from_pretrained(famil
     ("mixtral", {"dp": 2, "zero": 3}), ("mixtral", {"dp": 1, "pp": 2}), ("qwen3_moe", {"dp": 1, "pp": 2}),
 ])
 def test_moe_family_trains_like_one_process(family, layout, group2, tiny_cfg):
-    check_parity(hf_run(tiny_cfg, {"hf_config": MOE_FAMILIES[family]}, layout), group2, weight_atol=WEIGHT_ATOL)
+    check_parity(
+        hf_run(tiny_cfg, {"hf_config": MOE_FAMILIES[family]}, layout), group2, weight_atol=WEIGHT_ATOL
+    )
 
 
 @pytest.mark.parametrize("change,parallel,match", [
@@ -286,5 +341,10 @@ def test_moe_family_trains_like_one_process(family, layout, group2, tiny_cfg):
 ])
 def test_moe_family_refusals(change, parallel, match):
     with pytest.raises(ConfigError, match=match):
-        config_from_dict({"model": {"hf_config": {**MOE_FAMILIES["qwen3_moe"], **change}}, "parallel": parallel,
-                          "train": {"global_batch_size": 8}})
+        config_from_dict(
+            {
+                "model": {"hf_config": {**MOE_FAMILIES["qwen3_moe"], **change}},
+                "parallel": parallel,
+                "train": {"global_batch_size": 8},
+            }
+        )

@@ -78,23 +78,34 @@ def ray_head():
     check = subprocess.run([str(client_bin / "python"), "-c", "import ray, importlib.util as u; "
                             "print(u.find_spec('raymp') is None)"], env=env, capture_output=True, text=True,
                            cwd=temp, timeout=120)
-    assert check.stdout.strip() == "True", f"the client environment is not Ray-only: {check.stdout}{check.stderr}"
+    assert (
+        check.stdout.strip() == "True"
+    ), f"the client environment is not Ray-only: {check.stdout}{check.stderr}"
     token = subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=env, capture_output=True,
                            text=True, timeout=60).stdout.strip()
     assert len(token) >= 32, "ray get-auth-token --generate gave no token"
     port, dash = free_port(), free_port()
     # Its own agent ports: the test session's Ray (started earlier) holds the defaults, and a
     # node whose agent cannot bind answers "No available agent to submit job".
-    agent = lambda: [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",  # noqa: E731
-                     f"--metrics-export-port={free_port()}", "--disable-usage-stats", "--block"]
+    agent = lambda: [
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--dashboard-agent-grpc-port={free_port()}",  # noqa: E731
+        f"--metrics-export-port={free_port()}",
+        "--disable-usage-stats",
+        "--block",
+    ]
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", f"--temp-dir={temp}/head", f"--port={port}",
          f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--include-dashboard=true",
          "--num-cpus=0", *agent()],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     node_env = {**env, "RAY_AUTH_TOKEN": token}
-    client_env = {**node_env, "RAY_ADDRESS": f"http://127.0.0.1:{dash}", "RAYMP_TEST_CLIENT_BIN": str(client_bin),
-                  "PATH": f"{client_bin}{os.pathsep}{os.environ.get('PATH', '')}"}
+    client_env = {
+        **node_env,
+        "RAY_ADDRESS": f"http://127.0.0.1:{dash}",
+        "RAYMP_TEST_CLIENT_BIN": str(client_bin),
+        "PATH": f"{client_bin}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
     worker = None
     try:
         deadline = time.time() + 120
@@ -109,7 +120,9 @@ def ray_head():
              "--num-cpus=4", f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
              f"--runtime-env-agent-port={free_port()}", *agent()],
             env=node_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        while "0.0/4.0 CPU" not in (status := ray_cli(node_env, "status", "--address", f"127.0.0.1:{port}").stdout):
+        while "0.0/4.0 CPU" not in (
+            status := ray_cli(node_env, "status", "--address", f"127.0.0.1:{port}").stdout
+        ):
             assert time.time() < deadline + 60, f"the worker node did not join: {status}"
             time.sleep(1)
         yield client_env, f"127.0.0.1:{port}"
@@ -124,7 +137,9 @@ def ray_cli(env, *args, timeout=300):
     """`ray` as the client runs it (Ray only, no raymp) where the env is the client's, else the
     cluster nodes' own."""
     ray = Path(env.get("RAYMP_TEST_CLIENT_BIN", BIN)) / "ray"
-    return subprocess.run([str(ray), *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [str(ray), *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
 def submit(env, *args):
@@ -165,9 +180,24 @@ def test_submit_follow_stop_and_check_mlflow(ray_head, tmp_path, data_cache):
     out_dir = tmp_path / "runs"
     common = ["--set", f"output_dir={out_dir}", "--set", f"data.cache_dir={data_cache}",
               "--set", "tracking.experiment=job-test"]
-    done = submit(env, "--submission-id", "raymp-ok", "--working-dir", ".", "--",
-                   "raymp", "train", "configs/tiny.yaml", "--set", "train.steps=6", "--set", "train.log_every=2",
-                   "--set", "optimizer.warmup_steps=1", *common)
+    done = submit(
+        env,
+        "--submission-id",
+        "raymp-ok",
+        "--working-dir",
+        ".",
+        "--",
+        "raymp",
+        "train",
+        "configs/tiny.yaml",
+        "--set",
+        "train.steps=6",
+        "--set",
+        "train.log_every=2",
+        "--set",
+        "optimizer.warmup_steps=1",
+        *common,
+    )
     # `ray job submit` follows the logs and returns when the job ends.
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert wait_for(env, "raymp-ok", {"SUCCEEDED", "FAILED", "STOPPED"}) == "SUCCEEDED"
@@ -185,10 +215,27 @@ def test_submit_follow_stop_and_check_mlflow(ray_head, tmp_path, data_cache):
     assert "step     6/6" in logs and "MLflow run" in logs  # progress streamed into the job logs
 
     ckpt = tmp_path / "stopped-checkpoints"
-    long = submit(env, "--no-wait", "--submission-id", "raymp-stop", "--working-dir",
-                   ".", "--", "raymp", "train", "configs/tiny.yaml", "--set", "train.steps=100000",
-                   "--set", "train.log_every=1", "--set", "checkpoint.every=2", "--set", f"checkpoint.dir={ckpt}",
-                   *common)
+    long = submit(
+        env,
+        "--no-wait",
+        "--submission-id",
+        "raymp-stop",
+        "--working-dir",
+        ".",
+        "--",
+        "raymp",
+        "train",
+        "configs/tiny.yaml",
+        "--set",
+        "train.steps=100000",
+        "--set",
+        "train.log_every=1",
+        "--set",
+        "checkpoint.every=2",
+        "--set",
+        f"checkpoint.dir={ckpt}",
+        *common,
+    )
     assert long.returncode == 0, long.stderr
     deadline = time.time() + 180
     while "step     4/" not in ray_cli(env, "job", "logs", "raymp-stop").stdout:
@@ -214,7 +261,10 @@ def test_submit_follow_stop_and_check_mlflow(ray_head, tmp_path, data_cache):
     exp = client.get_experiment_by_name("job-test")
     runs = {r.info.status: r for r in client.search_runs([exp.experiment_id])}
 
-    assert set(runs) == {"FINISHED", "KILLED"}, (runs.keys(), ray_cli(env, "job", "logs", "raymp-stop").stdout[-3000:])
+    assert set(runs) == {"FINISHED", "KILLED"}, (
+        runs.keys(),
+        ray_cli(env, "job", "logs", "raymp-stop").stdout[-3000:],
+    )
     # The stopped job kept a committed checkpoint, whole (it exports), tied to its MLflow run.
     from raymp.checkpoint.export import consolidated_weights, intact_checkpoint
     from raymp.checkpoint.store import CheckpointStore

@@ -83,24 +83,42 @@ def test_planner_and_config_agree_on_2500_layouts():
     assert 200 < accepted < 2300, "the sample should hold plenty of both verdicts"
 
 
-@pytest.mark.parametrize("model, parallel, gb, verdict", [
-    # The cases that once disagreed (config said one thing, the planner the other).
-    ("tiny 8 layers", {"pp": 4, "schedule": "zbv", "micro_batch_size": 2}, 8, "needs at least 8 micro-batches"),
-    ("tiny 8 layers", {"pp": 4, "schedule": "gpipe", "micro_batch_size": 2}, 8, ""),
-    ("gpt2 n_inner=256", {"tp": 4}, 8, ""),
-    ("gpt2 n_inner=258", {"tp": 4}, 8, "must divide n_inner (258)"),
-    ("llama", {"tp": 2, "sequence_parallel": True}, 8, ""),
-    ("gpt2 n_inner=256", {"tp": 2, "sequence_parallel": True}, 8, "not implemented for the Hugging Face gpt2 model"),
-    # Context parallelism: the built-in model only; cp x tp splits the heads; cp splits the sequence.
-    ("tiny", {"cp": 2, "tp": 2, "sequence_parallel": True}, 8, ""),
-    ("llama", {"cp": 2}, 8, "parallel.cp is implemented for the built-in model only"),
-    ("tiny", {"cp": 4, "tp": 2}, 8, "must divide model.n_heads (4)"),
-    ("odd built-in", {"cp": 3}, 8, "parallel.cp = 3 must divide train.seq_len (32)"),
-    # HSDP: FSDP2 on a 2-D mesh, dp = dp_replicate x dp_shard.
-    ("tiny", {"dp": 4, "dp_replicate": 2, "zero": 3}, 8, ""),
-    ("tiny", {"dp": 4, "dp_replicate": 3, "zero": 3}, 12, "parallel.dp_replicate (3) must divide parallel.dp (4)"),
-    ("tiny", {"dp": 4, "dp_replicate": 2, "zero": 1}, 8, "needs parallel.zero 2 or 3"),
-])
+@pytest.mark.parametrize(
+    "model, parallel, gb, verdict",
+    [
+        # The cases that once disagreed (config said one thing, the planner the other).
+        (
+            "tiny 8 layers",
+            {"pp": 4, "schedule": "zbv", "micro_batch_size": 2},
+            8,
+            "needs at least 8 micro-batches",
+        ),
+        ("tiny 8 layers", {"pp": 4, "schedule": "gpipe", "micro_batch_size": 2}, 8, ""),
+        ("gpt2 n_inner=256", {"tp": 4}, 8, ""),
+        ("gpt2 n_inner=258", {"tp": 4}, 8, "must divide n_inner (258)"),
+        ("llama", {"tp": 2, "sequence_parallel": True}, 8, ""),
+        (
+            "gpt2 n_inner=256",
+            {"tp": 2, "sequence_parallel": True},
+            8,
+            "not implemented for the Hugging Face gpt2 model",
+        ),
+        # Context parallelism: the built-in model only; cp x tp splits the heads; cp splits the sequence.
+        ("tiny", {"cp": 2, "tp": 2, "sequence_parallel": True}, 8, ""),
+        ("llama", {"cp": 2}, 8, "parallel.cp is implemented for the built-in model only"),
+        ("tiny", {"cp": 4, "tp": 2}, 8, "must divide model.n_heads (4)"),
+        ("odd built-in", {"cp": 3}, 8, "parallel.cp = 3 must divide train.seq_len (32)"),
+        # HSDP: FSDP2 on a 2-D mesh, dp = dp_replicate x dp_shard.
+        ("tiny", {"dp": 4, "dp_replicate": 2, "zero": 3}, 8, ""),
+        (
+            "tiny",
+            {"dp": 4, "dp_replicate": 3, "zero": 3},
+            12,
+            "parallel.dp_replicate (3) must divide parallel.dp (4)",
+        ),
+        ("tiny", {"dp": 4, "dp_replicate": 2, "zero": 1}, 8, "needs parallel.zero 2 or 3"),
+    ],
+)
 def test_once_disagreeing_cases_get_one_verdict(model, parallel, gb, verdict):
     run = _run(model, parallel, gb, 32)
     config, planner = _config_verdict(run), _planner_verdict(run)
@@ -119,7 +137,9 @@ def test_auto_only_proposes_layouts_the_config_accepts(model, nodes, gpus):
     result = plan(model_args(m, 256), Cluster(nodes, gpus), 16, 30, shape=model_shape(m, 256, "byte"))
     for candidate in result.candidates:  # every layout the planner judges, not only the best
         lay = candidate.layout
-        assert not (lay.data_parallel_size == 1 and lay.zero > 0), f"a no-op proposed: {lay.text(detail=True)}"
+        assert not (
+            lay.data_parallel_size == 1 and lay.zero > 0
+        ), f"a no-op proposed: {lay.text(detail=True)}"
         config_from_dict({**base, "parallel": lay.as_parallel()})
 
 
@@ -142,17 +162,21 @@ def test_context_parallel_ranks_sit_between_dp_and_pp():
     assert lay.world_size == 8 and lay.data_parallel_size == 4
     assert lay.text() == "dp=2 cp=2 pp=2 tp=1 zero=3" and lay.tag() == "dp2-cp2-pp2-tp1-zero3"
     assert [lay.coords(r) for r in (1, 2, 5)] == [
-        {"dp": 0, "cp": 0, "pp": 1, "tp": 0}, {"dp": 0, "cp": 1, "pp": 0, "tp": 0}, {"dp": 1, "cp": 0, "pp": 1, "tp": 0}]
+        {"dp": 0, "cp": 0, "pp": 1, "tp": 0},
+        {"dp": 0, "cp": 1, "pp": 0, "tp": 0},
+        {"dp": 1, "cp": 0, "pp": 1, "tp": 0},
+    ]
     assert all(lay.rank_of(**lay.coords(r)) == r for r in range(lay.world_size))
     assert Layout.from_record(lay.record()) == lay
     assert Layout.from_record({"dp": 2, "pp": 1, "tp": 1, "zero": 0}).cp == 1  # records from before cp
 
 
-
 def test_hsdp_layout_shards_inside_replica_groups():
     lay = Layout(dp=4, zero=3, cp=2, dp_replicate=2)
     assert (lay.dp_shard, lay.zero_shards, lay.data_parallel_size) == (2, 4, 8)
-    assert lay.text() == "dp=4 (2x2 HSDP) cp=2 pp=1 tp=1 zero=3" and lay.tag() == "dp4-hsdp2-cp2-pp1-tp1-zero3"
+    assert (
+        lay.text() == "dp=4 (2x2 HSDP) cp=2 pp=1 tp=1 zero=3" and lay.tag() == "dp4-hsdp2-cp2-pp1-tp1-zero3"
+    )
     assert Layout.from_record(lay.record()) == lay
 
 
@@ -161,8 +185,13 @@ def test_the_drivers_stage_split_is_not_a_second_validation(monkeypatch):
     from raymp.config import RunConfig
     from raymp.driver.launch import with_stage_split
 
-    cfg = config_from_dict({"model": {"preset": "tiny"}, "parallel": {"dp": 1, "pp": 2, "micro_batch_size": 2},
-                            "train": {"global_batch_size": 8, "seq_len": 32}})
+    cfg = config_from_dict(
+        {
+            "model": {"preset": "tiny"},
+            "parallel": {"dp": 1, "pp": 2, "micro_batch_size": 2},
+            "train": {"global_batch_size": 8, "seq_len": 32},
+        }
+    )
 
     def validated_again(*args, **kwargs):
         raise AssertionError("validated again")
@@ -180,8 +209,14 @@ def test_whole_replicas_are_those_every_rank_of_which_survived():
     assert Layout(dp=2, pp=2, tp=2).replica_of(5) == [4, 5, 6, 7]
     # HSDP: a whole copy of the state is a group of shards; its survivors keep the shard size.
     hsdp = Layout(dp=4, zero=3, dp_replicate=2)
-    assert hsdp.state_replicas == 2 and hsdp.replica_of(1) == [0, 1] and hsdp.whole_replicas([1, 2, 3]) == [[2, 3]]
-    assert hsdp.settings_keeping(1) == {"dp": 2, "dp_replicate": 1} and Layout(dp=4).settings_keeping(3) == {"dp": 3}
+    assert (
+        hsdp.state_replicas == 2
+        and hsdp.replica_of(1) == [0, 1]
+        and hsdp.whole_replicas([1, 2, 3]) == [[2, 3]]
+    )
+    assert hsdp.settings_keeping(1) == {"dp": 2, "dp_replicate": 1} and Layout(dp=4).settings_keeping(3) == {
+        "dp": 3
+    }
     assert Layout(dp=4, zero=3).state_replicas == 1 and Layout(dp=4).state_replicas == 4
 
 

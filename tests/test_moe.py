@@ -124,7 +124,10 @@ def test_parameter_arithmetic_matches_the_built_model(preset):
     assert args.num_params == model.num_params()
     per_expert = 3 * args.dim * args.moe.expert_ffn_dim
     moe_layers = args.n_layers - args.moe.dense_layers
-    assert args.num_params - args.active_params == moe_layers * (args.moe.n_experts - args.moe.top_k) * per_expert
+    assert (
+        args.num_params - args.active_params
+        == moe_layers * (args.moe.n_experts - args.moe.top_k) * per_expert
+    )
 
 
 def test_published_moe_shapes():
@@ -171,5 +174,23 @@ def test_step_metrics_merge_each_stages_routing_and_log_the_moe_columns():
     assert m["moe_imbalance_max"] == 2.5 and m["moe_dropped_tokens"] == 0
     assert m["moe_aux_loss"] == pytest.approx(0.04)
     assert {"moe_aux_loss", "moe_imbalance_max", "moe_dropped_tokens"} <= set(PER_STEP)
-    assert moe_metrics([RankReport(rank=0, loss=1.0, grad_norm=0, lr=0, compute_s=0, data_wait_s=0, peak_mem_bytes=0,
-                                   param_bytes=0, grad_bytes=0, optim_bytes=0)], Layout()) == {}
+    assert (
+        moe_metrics(
+            [
+                RankReport(
+                    rank=0,
+                    loss=1.0,
+                    grad_norm=0,
+                    lr=0,
+                    compute_s=0,
+                    data_wait_s=0,
+                    peak_mem_bytes=0,
+                    param_bytes=0,
+                    grad_bytes=0,
+                    optim_bytes=0,
+                )
+            ],
+            Layout(),
+        )
+        == {}
+    )

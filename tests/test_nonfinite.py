@@ -50,10 +50,18 @@ def test_a_nonfinite_step_is_skipped_and_the_run_matches_one_process_skipping_it
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("train,poisoned,match", [
-    ({"on_nonfinite": "stop"}, [POISONED], "train.on_nonfinite=stop"),
-    ({"nonfinite_limit": 2}, [POISONED, POISONED + 1], r"2 non-finite steps in a row \(train.nonfinite_limit=2\)"),
-], ids=["stop", "limit"])
+@pytest.mark.parametrize(
+    "train,poisoned,match",
+    [
+        ({"on_nonfinite": "stop"}, [POISONED], "train.on_nonfinite=stop"),
+        (
+            {"nonfinite_limit": 2},
+            [POISONED, POISONED + 1],
+            r"2 non-finite steps in a row \(train.nonfinite_limit=2\)",
+        ),
+    ],
+    ids=["stop", "limit"],
+)
 def test_a_run_told_to_stop_on_nonfinite_steps_stops_with_its_last_good_state(
         train, poisoned, match, poisoning_group, data_cache, tmp_path):
     cfg = matrix_cfg(tmp_path, data_cache, train=train)
@@ -92,7 +100,9 @@ def test_restore_stops_when_the_same_step_is_nonfinite_again(poisoning_group, da
     cfg = matrix_cfg(tmp_path, data_cache, train={"on_nonfinite": "restore"})
     poisoning_group.call("arm_nonfinite", [5], 1)  # every time: not transient
     with Trainer(cfg, actor_group=poisoning_group, progress=False) as t:
-        with pytest.raises(NonFiniteError, match="again after going back to a checkpoint for it: no transient fault"):
+        with pytest.raises(
+            NonFiniteError, match="again after going back to a checkpoint for it: no transient fault"
+        ):
             t.fit()
     assert len(t.restarts) == 1 and [m["step"] for m in t.history] == [0, 1, 2, 3, 4, 5]
 

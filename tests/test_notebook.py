@@ -31,8 +31,10 @@ def test_example_notebook_executes(tmp_path):
     images = [o for o in outputs if "image/png" in o.get("data", {})]
     assert len(images) >= 2, "expected the loss plot and the timeline"
     # Progress: plain stream lines, or rich's rendering as display data inside Jupyter.
-    text = "".join(o.get("text", "") + o.get("data", {}).get("text/plain", "") + o.get("data", {}).get("text/html", "")
-                   for o in outputs)
+    text = "".join(
+        o.get("text", "") + o.get("data", {}).get("text/plain", "") + o.get("data", {}).get("text/html", "")
+        for o in outputs
+    )
     assert "step     8/8" in text and "dp=2 pp=2 tp=1 zero=2" in text  # live progress was shown
     tables = [o for o in outputs if "text/html" in o.get("data", {})]
     assert any("node_ip" in t["data"]["text/html"] for t in tables)

@@ -70,10 +70,14 @@ def test_cp2_halves_saved_activations_and_the_planner_follows(group2, tiny_cfg):
                        train={"steps": 1, "global_batch_size": 2, "seq_len": 1024})
         with Trainer(cfg, actor_group=group2, progress=False) as t:
             t.step()
-            measured[cp] = max(r["activation_peak_bytes"] + r["loss_saved_peak_bytes"] for r in t.history[-1]["per_rank"])
+            measured[cp] = max(
+                r["activation_peak_bytes"] + r["loss_saved_peak_bytes"] for r in t.history[-1]["per_rank"]
+            )
             estimated[cp] = max(e.activation_bytes for e in t.session.memory_estimate)
-    seen = (f"saved activations per rank, seq_len 1024: cp=1 {measured[1] / 2**20:.1f} MiB (planner "
-            f"{estimated[1] / 2**20:.1f}), cp=2 {measured[2] / 2**20:.1f} MiB (planner {estimated[2] / 2**20:.1f})")
+    seen = (
+        f"saved activations per rank, seq_len 1024: cp=1 {measured[1] / 2**20:.1f} MiB (planner "
+        f"{estimated[1] / 2**20:.1f}), cp=2 {measured[2] / 2**20:.1f} MiB (planner {estimated[2] / 2**20:.1f})"
+    )
     assert 0.4 <= measured[2] / measured[1] <= 0.6, seen
     for cp in (1, 2):
         assert abs(estimated[cp] - measured[cp]) <= 0.15 * measured[cp], seen

@@ -29,7 +29,9 @@ def assert_losses_match(losses, ref_losses, rtol):
 def assert_weights_match(state, ref_state, atol):
     assert set(state) == set(ref_state)
     for name, ref in ref_state.items():
-        torch.testing.assert_close(state[name].float(), ref.float(), rtol=0, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            state[name].float(), ref.float(), rtol=0, atol=atol, msg=lambda m: f"{name}: {m}"
+        )
 
 
 def check_parity(cfg, group, weight_atol=2e-5, reference: dict | None = None):

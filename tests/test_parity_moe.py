@@ -72,7 +72,11 @@ def test_moe_checkpoint_loads_into_another_layout(load_as, tmp_path, data_cache,
 
     def cfg(**kw):
         c = run_cfg(tmp_path, data_cache, tmp_path / "checkpoints", **kw)
-        c["model"] = {"preset": "tiny-moe", "max_seq_len": 64, "moe": {"aux_loss_coef": 0.1, "bias_update_rate": 0.01}}
+        c["model"] = {
+            "preset": "tiny-moe",
+            "max_seq_len": 64,
+            "moe": {"aux_loss_coef": 0.1, "bias_update_rate": 0.01},
+        }
         return c
 
     with Trainer(cfg(every=3, dp=2, zero=1), actor_group=group2, progress=False) as t:
@@ -97,7 +101,9 @@ def _same_routing(got: dict, want: dict) -> bool:
                and got[b]["aux_loss"] == pytest.approx(want[b]["aux_loss"], rel=1e-5) for b in want)
 
 
-@pytest.mark.parametrize("parallel", [dict(dp=2, zero=1), dict(dp=1, pp=2), dict(dp=2, zero=3, activation_checkpointing=True)])
+@pytest.mark.parametrize(
+    "parallel", [dict(dp=2, zero=1), dict(dp=1, pp=2), dict(dp=2, zero=3, activation_checkpointing=True)]
+)
 def test_planner_memory_estimate_matches_moe_runs(parallel, group2, tiny_cfg):
     """The planner counts each block as it is (dense or MoE: its experts' state, the routed
     copies and expert activations it saves): within 5% of the measured model state +

@@ -64,7 +64,13 @@ def pipeline_gradients(cfg, group):
         t.setup()
         batch, lay = t.order.batch(0), t.config.parallel.layout
         args = [
-            (t.data.gather(replica_slice(batch, lay.dp, lay.coords(r)["dp"])) if lay.coords(r)["pp"] == 0 else None,)
+            (
+                (
+                    t.data.gather(replica_slice(batch, lay.dp, lay.coords(r)["dp"]))
+                    if lay.coords(r)["pp"] == 0
+                    else None
+                ),
+            )
             for r in range(lay.world_size)
         ]
         grads = {}

@@ -30,7 +30,10 @@ def test_tp_groups_pack_per_node_on_a_simulated_gpu_cluster():
         assert len(tp2[a]["gpus"]) == 1 and tp2[a]["gpus"] != tp2[b]["gpus"]
     assert "tensor-parallel group of 4 actors must fit on one node" in result["tp4_error"]
     assert "GPU=2" in result["tp4_error"]  # said before placing (its placement_timeout_s is 600)
-    assert "could not place 8 actors" in result["too_many_error"] and "groups of 2 per node" in result["too_many_error"]
+    assert (
+        "could not place 8 actors" in result["too_many_error"]
+        and "groups of 2 per node" in result["too_many_error"]
+    )
     assert result["too_many_seconds"] >= 3  # it waited for its placement_timeout_s (3 s)
     assert result["gpus_free_after"] == 4  # nothing left reserved by the failed attempts
     # Each simulated node's object store is OBJECT_STORE_BYTES, not cluster_utils' 150 MiB (peer

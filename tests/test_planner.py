@@ -56,8 +56,11 @@ LAYOUTS = {
 def test_estimates_match_measured_memory_within_15_percent(group2, group4, tiny_cfg):
     rows = []
     for name, (world, parallel, *precision) in LAYOUTS.items():
-        cfg = tiny_cfg(parallel={"micro_batch_size": 2, "dp": 1, **parallel}, precision=(precision or ["fp32"])[0],
-                       train={"steps": 2, "global_batch_size": 8, "seq_len": 32})
+        cfg = tiny_cfg(
+            parallel={"micro_batch_size": 2, "dp": 1, **parallel},
+            precision=(precision or ["fp32"])[0],
+            train={"steps": 2, "global_batch_size": 8, "seq_len": 32},
+        )
         with Trainer(cfg, actor_group=group2 if world == 2 else group4, progress=False) as t:
             t.step()
             t.step()
@@ -68,7 +71,9 @@ def test_estimates_match_measured_memory_within_15_percent(group2, group4, tiny_
         for name, rank, measured, est in rows])  # shown when an assertion fails
     for name, rank, measured, est in rows:
         # bf16 rows are held closer: the priced dtypes are the point there
-        assert abs(est - measured) <= (0.05 if "bf16" in name else 0.15) * measured, f"{name} rank {rank}\n{table}"
+        assert (
+            abs(est - measured) <= (0.05 if "bf16" in name else 0.15) * measured
+        ), f"{name} rank {rank}\n{table}"
 
 
 def _args(preset, vocab=256):
@@ -83,7 +88,9 @@ def test_llama_70b_on_64_gpus_of_80_gb_has_a_fitting_plan():
     lay = best.layout
     assert lay.dp * lay.pp * lay.tp == 64 and lay.tp <= 8
     # Plain data parallelism cannot hold 70B: 16 bytes x 70B / 64 at best still leaves no room.
-    assert not any(c.fits for c in result.candidates if c.layout.pp == 1 and c.layout.tp == 1 and c.layout.zero < 3)
+    assert not any(
+        c.fits for c in result.candidates if c.layout.pp == 1 and c.layout.tp == 1 and c.layout.zero < 3
+    )
 
 
 @pytest.mark.unit
@@ -105,7 +112,9 @@ def test_context_parallel_divides_activations_and_prices_its_all_to_alls():
     whole, split = (Layout(dp=8 // cp, zero=3, cp=cp, activation_checkpointing=True) for cp in (1, 4))
     a, b = (estimate(args, lay, 8, 32768, True)[0] for lay in (whole, split))
     assert b.activation_bytes == pytest.approx(a.activation_bytes / 4)
-    assert b.model_state_bytes == pytest.approx(a.model_state_bytes)  # ZeRO-3 shards over dp x cp = 8 either way
+    assert b.model_state_bytes == pytest.approx(
+        a.model_state_bytes
+    )  # ZeRO-3 shards over dp x cp = 8 either way
     t_whole, t_split = (step_seconds(args, lay, cluster, 8, 32768) for lay in (whole, split))
     assert t_whole["cp_comm_s"] == 0 < t_split["cp_comm_s"]
 
@@ -204,9 +213,15 @@ def test_plan_of_a_hugging_face_config_at_another_seq_len():
     assert "global batch 16 x 64 tokens" in out.stdout and "This config's layout:" in out.stdout, out.stdout
 
 
-CALIBRATION_LAYOUTS = [Layout(dp=2), Layout(dp=2, zero=3), Layout(dp=2, zero=1, activation_checkpointing=True),
-                       Layout(pp=2, micro_batch_size=2), Layout(tp=2), Layout(tp=2, sequence_parallel=True),
-                       Layout(cp=2)]
+CALIBRATION_LAYOUTS = [
+    Layout(dp=2),
+    Layout(dp=2, zero=3),
+    Layout(dp=2, zero=1, activation_checkpointing=True),
+    Layout(pp=2, micro_batch_size=2),
+    Layout(tp=2),
+    Layout(tp=2, sequence_parallel=True),
+    Layout(cp=2),
+]
 
 
 def test_cost_factors_scale_only_their_mechanisms_price():
@@ -227,8 +242,14 @@ def test_calibration_recovers_each_mechanisms_factor_from_measured_steps():
     priced = Cluster(nodes=1, gpus_per_node=2)
     truth = {"ddp": 4.0, "fsdp": 9.0, "tp": 8.0, "sp": 13.0, "cp": 5.0, "pp": 20.0}
     true_cluster = Cluster(nodes=1, gpus_per_node=2, cost_factors=truth)
-    samples = [(lay, step_seconds(args, lay, priced, 8, 128), step_seconds(args, lay, true_cluster, 8, 128)["step_s"])
-               for lay in CALIBRATION_LAYOUTS]
+    samples = [
+        (
+            lay,
+            step_seconds(args, lay, priced, 8, 128),
+            step_seconds(args, lay, true_cluster, 8, 128)["step_s"],
+        )
+        for lay in CALIBRATION_LAYOUTS
+    ]
     assert calibrate_cost_factors(samples) == pytest.approx(truth)
     # A mechanism that cost less than its compute estimate left over is free, not negative.
     cheap = [(lay, est, est["compute_s"] * 0.9) for lay, est, _ in samples[:1]]
@@ -257,8 +278,23 @@ def test_the_readme_plan_examples_are_what_raymp_plan_prints():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     quoted = re.search(r"Llama 70B .*?: (\d+ of \d+ layouts fit)", (root / "README.md").read_text()).group(1)
-    cli = raymp("plan", "--model", "llama-70b", "--nodes", "8", "--gpus-per-node", "8", "--gpu-memory-gb", "80",
-                "--global-batch", "512", "--seq-len", "4096", "--top", "1")
+    cli = raymp(
+        "plan",
+        "--model",
+        "llama-70b",
+        "--nodes",
+        "8",
+        "--gpus-per-node",
+        "8",
+        "--gpu-memory-gb",
+        "80",
+        "--global-batch",
+        "512",
+        "--seq-len",
+        "4096",
+        "--top",
+        "1",
+    )
     assert f"{quoted}. Best first:" in cli.stdout, cli.stdout
 
 

@@ -61,7 +61,9 @@ def test_measurement_runs_only_on_the_steps_that_report_it(worker, tmp_path, mon
         return wrapper
 
     monkeypatch.setattr(ActivationMeter, "_counting", counted("counting", ActivationMeter._counting))
-    monkeypatch.setattr(DataParallelEngine, "state_bytes", counted("state_bytes", DataParallelEngine.state_bytes))
+    monkeypatch.setattr(
+        DataParallelEngine, "state_bytes", counted("state_bytes", DataParallelEngine.state_bytes)
+    )
     worker.setup(_config(tmp_path, 6, every), 256)
     worker.stream = _Batches(6, 4, 32)
     reports = []
@@ -103,4 +105,6 @@ def test_the_gradient_norm_is_exact_at_float32_speed():
     assert abs(norm - exact) / exact < 1e-6
     assert all(torch.equal(w.grad, b) for w, b in zip(weights, before))  # no clip asked for
     assert abs(engine.clip_grad_norm(norm / 2, copies=1) - exact) / exact < 1e-6
-    assert abs(float(torch.sqrt(sum(w.grad.double().square().sum() for w in weights))) - norm / 2) / norm < 1e-5
+    assert (
+        abs(float(torch.sqrt(sum(w.grad.double().square().sum() for w in weights))) - norm / 2) / norm < 1e-5
+    )

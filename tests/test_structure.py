@@ -20,8 +20,15 @@ def test_a_subpackage_cycle_is_found_even_when_no_two_modules_import_each_other(
     spec = importlib.util.spec_from_file_location("structure", ROOT / "scripts" / "structure.py")
     structure = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(structure)
-    graph = {"raymp.data.prepare": {"raymp.runtime.cluster"}, "raymp.runtime.cluster": {"raymp.config.schema"},
-             "raymp.config.schema": set(), "raymp.config.rules": {"raymp.data.tokenizers"},
-             "raymp.data.tokenizers": set(), "raymp.storage": set()}
+    graph = {
+        "raymp.data.prepare": {"raymp.runtime.cluster"},
+        "raymp.runtime.cluster": {"raymp.config.schema"},
+        "raymp.config.schema": set(),
+        "raymp.config.rules": {"raymp.data.tokenizers"},
+        "raymp.data.tokenizers": set(),
+        "raymp.storage": set(),
+    }
     assert structure.cycles(graph) == []
-    assert structure.cycles(structure.subpackage_graph(graph)) == [["raymp.config", "raymp.data", "raymp.runtime"]]
+    assert structure.cycles(structure.subpackage_graph(graph)) == [
+        ["raymp.config", "raymp.data", "raymp.runtime"]
+    ]

@@ -45,7 +45,10 @@ def test_survivors_keep_their_state_and_redo_no_step(parallel, lost, kept_dp, re
         layout = trainer.config.parallel.layout
     assert event["recovery"] == "survivors" and event["checkpoint"] is None  # nothing read from storage
     assert event["resumed_step"] == event["failed_step"]  # nothing redone
-    assert (layout.dp, layout.cp, layout.pp, layout.tp) == (kept_dp, *(parallel.get(d, 1) for d in ("cp", "pp", "tp")))
+    assert (layout.dp, layout.cp, layout.pp, layout.tp) == (
+        kept_dp,
+        *(parallel.get(d, 1) for d in ("cp", "pp", "tp")),
+    )
     assert layout.zero == parallel.get("zero", 0) and layout.dp_replicate == 1
     # The same processes go on, whole copies of the state (which: whichever gloo let end the step first).
     assert len(event["pids"]) == layout.world_size and set(event["pids"]) <= set(pids) - lost_copy
@@ -60,8 +63,13 @@ def test_a_survivor_stuck_in_its_failed_step_is_told_to_drop_it(ref, data_cache,
     run would stop after resources.collective_timeout_s with no survivor."""
     from helpers.ckpt_workers import EndlessStepWorker
 
-    cfg = matrix_cfg(tmp_path, data_cache, parallel={"dp": 2, "zero": 0, "micro_batch_size": 1},
-                     elastic={"keep_survivors": True, "grow_back": False}, resources={"collective_timeout_s": 120})
+    cfg = matrix_cfg(
+        tmp_path,
+        data_cache,
+        parallel={"dp": 2, "zero": 0, "micro_batch_size": 1},
+        elastic={"keep_survivors": True, "grow_back": False},
+        resources={"collective_timeout_s": 120},
+    )
     with Trainer(cfg, progress=False, worker_cls=EndlessStepWorker) as trainer:
         trainer.setup()
         pid = trainer.group.nodes[0]["pid"]
@@ -76,8 +84,12 @@ def test_a_survivor_stuck_in_its_failed_step_is_told_to_drop_it(ref, data_cache,
 
 def test_keep_survivors_is_refused_where_no_second_copy_of_the_state_exists(tmp_path, data_cache):
     for zero in (1, 2, 3):
-        cfg = matrix_cfg(tmp_path, data_cache, parallel={"dp": 2, "zero": zero}, elastic={"keep_survivors": True})
-        with pytest.raises((ConfigError, ValueError), match="elastic.keep_survivors needs a second whole copy"):
+        cfg = matrix_cfg(
+            tmp_path, data_cache, parallel={"dp": 2, "zero": zero}, elastic={"keep_survivors": True}
+        )
+        with pytest.raises(
+            (ConfigError, ValueError), match="elastic.keep_survivors needs a second whole copy"
+        ):
             config_from_dict(cfg)
     hsdp = matrix_cfg(tmp_path, data_cache, parallel={"dp": 4, "dp_replicate": 2, "zero": 3},
                       elastic={"keep_survivors": True})
@@ -144,8 +156,12 @@ def test_a_rank_lost_after_its_step_was_taken_everywhere_restarts_from_storage(r
 def test_a_loss_that_takes_every_whole_copy_restores_from_the_checkpoint(ref, data_cache, tmp_path):
     """2x2 HSDP loses a rank of each group at once: no whole copy of the state is left in memory,
     so the run restarts from the newest committed checkpoint and redoes the steps since."""
-    cfg = matrix_cfg(tmp_path, data_cache, parallel={"dp": 4, "dp_replicate": 2, "zero": 3, "micro_batch_size": 1},
-                     elastic={"keep_survivors": True})
+    cfg = matrix_cfg(
+        tmp_path,
+        data_cache,
+        parallel={"dp": 4, "dp_replicate": 2, "zero": 3, "micro_batch_size": 1},
+        elastic={"keep_survivors": True},
+    )
     with Trainer(cfg, progress=False) as trainer:
         trainer.setup()
         kill_rank_after(trainer, 3, rank=[0, 2], committed=True)

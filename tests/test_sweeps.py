@@ -23,16 +23,24 @@ def _spec(**fields) -> SweepSpec:
     return spec_from_dict({"space": {"optimizer.lr": {"grid": [1e-3, 3e-3]}}, **fields})
 
 
-@pytest.mark.parametrize("fields, words", [
-    ({"space": {"optimizer.nope": {"grid": [1]}}}, ["sweep space: optimizer.nope=1 is refused", "unknown key"]),
-    ({"space": {"parallel.zero": {"grid": [0, 5]}}}, ["parallel.zero=5 is refused", "0, 1, 2 or 3"]),
-    ({"space": {"optimizer.lr": {"loguniform": [1e-4, -1.0]}}}, ["low < high"]),
-    # each value alone is taken, one combination is not: 48 sequences over dp=4 x 8 per micro-batch
-    ({"space": {"parallel.dp": {"grid": [2, 4]}, "train.global_batch_size": {"grid": [32, 48]}}},
-     ["parallel.dp=4, train.global_batch_size=48 is refused", "must be divisible"]),
-    ({"metric": "accuracy"}, ["metric 'accuracy'", "loss"]),
-    ({"asha": {"grace_period": 500}}, ["grace_period (500)", "train.steps (60)"]),
-])
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        (
+            {"space": {"optimizer.nope": {"grid": [1]}}},
+            ["sweep space: optimizer.nope=1 is refused", "unknown key"],
+        ),
+        ({"space": {"parallel.zero": {"grid": [0, 5]}}}, ["parallel.zero=5 is refused", "0, 1, 2 or 3"]),
+        ({"space": {"optimizer.lr": {"loguniform": [1e-4, -1.0]}}}, ["low < high"]),
+        # each value alone is taken, one combination is not: 48 sequences over dp=4 x 8 per micro-batch
+        (
+            {"space": {"parallel.dp": {"grid": [2, 4]}, "train.global_batch_size": {"grid": [32, 48]}}},
+            ["parallel.dp=4, train.global_batch_size=48 is refused", "must be divisible"],
+        ),
+        ({"metric": "accuracy"}, ["metric 'accuracy'", "loss"]),
+        ({"asha": {"grace_period": 500}}, ["grace_period (500)", "train.steps (60)"]),
+    ],
+)
 def test_a_bad_search_is_one_line_before_any_trial(fields, words):
     with pytest.raises(ConfigError) as err:
         check_spec(spec_from_dict({"space": {"optimizer.lr": {"grid": [1e-3]}}, **fields}), load_config(BASE))
@@ -41,15 +49,21 @@ def test_a_bad_search_is_one_line_before_any_trial(fields, words):
         assert w in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("fields, words", [
-    ({"space": {}}, ["space is empty"]),
-    ({"space": {"optimizer.lr": {"grid": [1], "choice": [2]}}}, ["exactly one of"]),
-    ({"space": {"optimizer.lr": {"loguniform": [0, 1]}}}, ["low must be > 0"]),
-    ({"space": {"optimizer.lr": {"uniform": [2, 1]}}}, ["low < high"]),
-    ({"spaec": {}}, ["spaec", "not a sweep field"]),
-    ({"search": "optuna", "space": {"parallel.zero": {"grid": [0, 2]}}}, ["space.parallel.zero.grid", "use choice"]),
-    ({"search": "hyperopt"}, ["search", "'random' or 'optuna'"]),
-])
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"space": {}}, ["space is empty"]),
+        ({"space": {"optimizer.lr": {"grid": [1], "choice": [2]}}}, ["exactly one of"]),
+        ({"space": {"optimizer.lr": {"loguniform": [0, 1]}}}, ["low must be > 0"]),
+        ({"space": {"optimizer.lr": {"uniform": [2, 1]}}}, ["low < high"]),
+        ({"spaec": {}}, ["spaec", "not a sweep field"]),
+        (
+            {"search": "optuna", "space": {"parallel.zero": {"grid": [0, 2]}}},
+            ["space.parallel.zero.grid", "use choice"],
+        ),
+        ({"search": "hyperopt"}, ["search", "'random' or 'optuna'"]),
+    ],
+)
 def test_a_malformed_sweep_names_the_field(fields, words):
     with pytest.raises(ConfigError) as err:
         spec_from_dict({"space": {"optimizer.lr": {"grid": [1e-3]}}, **fields} if "space" not in fields
@@ -94,8 +108,12 @@ def test_search_space_in_tunes_terms():
 
 
 def test_best_trial_skips_trials_without_a_value():
-    trials = [Trial("a", {"x": 1}, 3.0, 5, "completed", "r1"), Trial("b", {"x": 2}, None, 0, "failed", "", "boom"),
-              Trial("c", {"x": 3}, math.nan, 2, "stopped early", "r3"), Trial("d", {"x": 4}, 2.5, 4, "stopped early", "r4")]
+    trials = [
+        Trial("a", {"x": 1}, 3.0, 5, "completed", "r1"),
+        Trial("b", {"x": 2}, None, 0, "failed", "", "boom"),
+        Trial("c", {"x": 3}, math.nan, 2, "stopped early", "r3"),
+        Trial("d", {"x": 4}, 2.5, 4, "stopped early", "r4"),
+    ]
     assert SweepResult("s", "loss", "min", trials, None).best.trial_id == "d"
     result = SweepResult("s", "loss", "max", trials, None)
     assert result.best.trial_id == "a" and "completed (best)" in result.table()
@@ -205,8 +223,9 @@ def test_a_rank_lost_inside_a_trial_is_recovered_and_the_trial_trains_the_same(t
     assert restarts[lost] == "1" and set(restarts.values()) == {"0", "1"}
 
 
-def test_a_layout_search_picks_the_fastest_measured_layout_and_the_next_plan_uses_its_prices(tiny_cfg, tmp_path,
-                                                                                               capsys):
+def test_a_layout_search_picks_the_fastest_measured_layout_and_the_next_plan_uses_its_prices(
+    tiny_cfg, tmp_path, capsys
+):
     """The planner's 3 best layouts of 4 CPU actors (the config's cluster: 1 x 4), 4 steps each,
     one at a time: the pick is the fastest measured, every layout trained the same thing (equal
     losses), and the compute rate and cost factors measured are saved, then used by `raymp plan`."""
@@ -220,12 +239,17 @@ def test_a_layout_search_picks_the_fastest_measured_layout_and_the_next_plan_use
     base["cluster"] = {"nodes": 1, "gpus_per_node": 4, "gpu_memory_gb": 4}
     found = search_layouts(base, layouts=3, steps=4, log=lambda *_: None)
     assert [m.status for m in found.layouts] == ["completed"] * 3
-    assert len({m.layout for m in found.layouts}) == 3 and all(m.layout.world_size == 4 for m in found.layouts)
+    assert len({m.layout for m in found.layouts}) == 3 and all(
+        m.layout.world_size == 4 for m in found.layouts
+    )
     assert found.best is min(found.layouts, key=lambda m: m.measured_s)
     losses = [m.loss for m in found.layouts]
     assert losses == pytest.approx([losses[0]] * 3, rel=1e-5)
     saved = load_calibration(base["output_dir"])
-    assert saved.compute_tflops == pytest.approx(found.compute_tflops) and saved.cost_factors == found.cost_factors
+    assert (
+        saved.compute_tflops == pytest.approx(found.compute_tflops)
+        and saved.cost_factors == found.cost_factors
+    )
     assert found.cost_factors and set(found.cost_factors) <= {"ddp", "fsdp", "tp", "sp", "cp", "pp"}
     table = found.table()
     assert "(fastest)" in table and table.count("completed") == 3

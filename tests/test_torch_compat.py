@@ -58,8 +58,10 @@ def test_private_apis_behave_as_relied_on():
 
 
 def test_no_module_but_torch_compat_reaches_into_private_torch_names():
-    private = re.compile(r"torch(\.[a-z_]+)*\._[a-z]|\._(flatten|unflatten|pg_registry|local_tensor|base|buffers|"
-                         r"step_count|last_lr|CHECKPOINT_PROCESS)\b")
+    private = re.compile(
+        r"torch(\.[a-z_]+)*\._[a-z]|\._(flatten|unflatten|pg_registry|local_tensor|base|buffers|"
+        r"step_count|last_lr|CHECKPOINT_PROCESS)\b"
+    )
     offenders = [f"{path.relative_to(ROOT)}:{n}" for path in (ROOT / "raymp").rglob("*.py")
                  if path.name != "torch_compat.py"
                  for n, line in enumerate(path.read_text().splitlines(), 1)

@@ -39,9 +39,25 @@ def mlflow_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow-server")
     port = _free_port()
     server = subprocess.Popen(
-        [str(BIN / "mlflow"), "server", "--workers", "1", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{root}/server.db", "--artifacts-destination", str(root / "artifacts")],
-        stdout=open(root / "server.log", "w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=root)
+        [
+            str(BIN / "mlflow"),
+            "server",
+            "--workers",
+            "1",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{root}/server.db",
+            "--artifacts-destination",
+            str(root / "artifacts"),
+        ],
+        stdout=open(root / "server.log", "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        cwd=root,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -53,7 +69,9 @@ def mlflow_server(tmp_path_factory):
             time.sleep(0.5)
     else:
         os.killpg(server.pid, signal.SIGTERM)
-        pytest.fail("mlflow server did not answer within 120 s:\n" + (root / "server.log").read_text()[-3000:])
+        pytest.fail(
+            "mlflow server did not answer within 120 s:\n" + (root / "server.log").read_text()[-3000:]
+        )
     yield url
     os.killpg(server.pid, signal.SIGTERM)
     try:
@@ -99,10 +117,21 @@ def test_rest_api_returns_params_tags_metric_histories_and_artifacts(mlflow_serv
         assert tags[key], key
     assert tags["raymp.checkpoint"].endswith("step-00000004")
     every = [0, 1, 2, 3]
-    for key, steps in (("fit/loss", every), ("fit/lr", every), ("speed/tok_s", every), ("fit/grad_norm", every),
-                       ("speed/step_s", every), ("speed/data_frac", every), ("mem/peak_mb", every),
-                       ("speed/tflops", every), ("restart/count", every), ("fit/val_loss", [1, 3])):
-        history = get(mlflow_server, "/api/2.0/mlflow/metrics/get-history", run_id=two_runs[1], metric_key=key)
+    for key, steps in (
+        ("fit/loss", every),
+        ("fit/lr", every),
+        ("speed/tok_s", every),
+        ("fit/grad_norm", every),
+        ("speed/step_s", every),
+        ("speed/data_frac", every),
+        ("mem/peak_mb", every),
+        ("speed/tflops", every),
+        ("restart/count", every),
+        ("fit/val_loss", [1, 3]),
+    ):
+        history = get(
+            mlflow_server, "/api/2.0/mlflow/metrics/get-history", run_id=two_runs[1], metric_key=key
+        )
         assert sorted(m["step"] for m in history["metrics"]) == steps, key
     metric_keys = {m["key"] for m in run["data"]["metrics"]}
     assert any(k.startswith("system/cpu_utilization") for k in metric_keys), metric_keys
@@ -111,7 +140,9 @@ def test_rest_api_returns_params_tags_metric_histories_and_artifacts(mlflow_serv
     # name whole in a chart's title
     assert sorted({k.split("/")[0] for k in metric_keys}) == ["fit", "mem", "restart", "speed", "system"]
     assert max(len(k) for k in metric_keys if not k.startswith("system/")) <= 15, metric_keys
-    files = {f["path"] for f in get(mlflow_server, "/api/2.0/mlflow/artifacts/list", run_id=two_runs[1])["files"]}
+    files = {
+        f["path"] for f in get(mlflow_server, "/api/2.0/mlflow/artifacts/list", run_id=two_runs[1])["files"]
+    }
     assert {"config.yaml", "layout.json", "loss_curve.png"} <= files
 
 

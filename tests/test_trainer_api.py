@@ -39,7 +39,9 @@ def test_step_inspect_fit_and_mlflow_run(group2, tiny_cfg, tmp_path):
     assert run.data.tags["raymp.layout"] == "dp2-pp1-tp1-zero3"
     losses = client.get_metric_history(run_id, "fit/loss")
     assert [m.step for m in sorted(losses, key=lambda m: m.step)] == [0, 1, 2, 3, 4]
-    assert [m.value for m in sorted(losses, key=lambda m: m.step)] == pytest.approx([h["loss"] for h in history])
+    assert [m.value for m in sorted(losses, key=lambda m: m.step)] == pytest.approx(
+        [h["loss"] for h in history]
+    )
     for key in ("fit/grad_norm", "fit/lr", "speed/tok_s", "speed/step_s", "mem/peak_mb", "mem/rank1_mb"):
         assert len(client.get_metric_history(run_id, key)) == 5, key
     artifacts = [a.path for a in client.list_artifacts(run_id)]
@@ -87,7 +89,9 @@ def test_unplaceable_layout_fails_after_bounded_wait(ray_local):
     t0 = time.perf_counter()
     with pytest.raises(PlacementError, match=r"could not place 2 actors .*CPU.: 64.*placement_timeout_s"):
         ActorGroup(2, "cpu", cpus_per_actor=64, placement_timeout_s=2)
-    assert time.perf_counter() - t0 >= 2  # it did wait for the knob's time (a lower bound holds on any machine)
+    assert (
+        time.perf_counter() - t0 >= 2
+    )  # it did wait for the knob's time (a lower bound holds on any machine)
     # The pending placement group was removed: nothing is left reserved.
     assert ray_local.available_resources().get("CPU", 0) >= 0
 
@@ -115,8 +119,11 @@ def test_cuda_asked_of_a_cluster_without_gpus_is_one_config_error(ray_local):
     from raymp.config import ConfigError
     from raymp.runtime.cluster import resolve_device
 
-    with pytest.raises(ConfigError, match=r"resources.device=cuda needs a GPU for each of the 2 actors, but the "
-                                          r"cluster has 0; set resources.device=cpu"):
+    with pytest.raises(
+        ConfigError,
+        match=r"resources.device=cuda needs a GPU for each of the 2 actors, but the "
+        r"cluster has 0; set resources.device=cpu",
+    ):
         resolve_device("cuda", 2)
     assert resolve_device("auto", 2) == "cpu"
 

@@ -26,7 +26,10 @@ class WorkerWithoutReshard(Worker):
 
 
 def test_zero2_without_reshard_is_caught_by_parity(ray_local, tiny_cfg):
-    cfg = tiny_cfg(parallel={"dp": 2, "zero": 2, "micro_batch_size": 2}, train={"steps": 3, "global_batch_size": 8, "seq_len": 32})
+    cfg = tiny_cfg(
+        parallel={"dp": 2, "zero": 2, "micro_batch_size": 2},
+        train={"steps": 3, "global_batch_size": 8, "seq_len": 32},
+    )
     group = ActorGroup(2, "cpu", worker_cls=WorkerWithoutReshard, placement_timeout_s=60)
     try:
         with Trainer(cfg, actor_group=group, progress=False) as t:

@@ -36,7 +36,10 @@ def measure(cfg_dict, group):
 def test_model_state_bytes_follow_zero_formulas(zero, dp_fixture, request, tiny_cfg):
     group = request.getfixturevalue(dp_fixture)
     n = group.world_size
-    cfg = tiny_cfg(parallel={"dp": n, "zero": zero, "micro_batch_size": 1}, train={"steps": 1, "global_batch_size": 8, "seq_len": 32})
+    cfg = tiny_cfg(
+        parallel={"dp": n, "zero": zero, "micro_batch_size": 1},
+        train={"steps": 1, "global_batch_size": 8, "seq_len": 32},
+    )
     psi, per_rank = measure(cfg, group)
     want = expected_bytes(zero, psi, n)
     for kind, expected in want.items():
