@@ -34,6 +34,7 @@ from raymp.driver.tracking_hooks import NoTracking, RunTracking
 from raymp.elastic.controller import ElasticController
 from raymp.elastic.peer_copies import PeerCopies
 from raymp.elastic.policy import RecoveryPolicy, ScalingPolicy
+from raymp.elastic.states import Running
 from raymp.progress import StepProgress
 from raymp.runtime.actor_group import ActorGroup, WorkerLostError
 from raymp.config.rules import compiles
@@ -111,10 +112,11 @@ class Trainer:
                                 shared_group=self._shared_group, worker_cls=self._worker_cls,
                                 peer_copies=PeerCopies(cfg.elastic.peer_copy_every, cfg.resources, say))
             launcher.on_event = lambda name, info: self.on_event(name, info) if self.on_event else None
-            self.session = Session(cfg, launcher, say, self.run_name, self.tracking, self._restarted)
+            self.session = Session(cfg, launcher, say, self.run_name, self.tracking)
             self.elastic = ElasticController(
                 self.session, RecoveryPolicy(cfg.elastic, self._shared_group is not None),
                 ScalingPolicy(lay, self.device, self.feed.node, cfg.elastic.grow_back), say)
+            self.elastic.subscribe(self._on_elastic_state)
             self.resumed_from = resume = self.session.launch(self._resume_position)
         if resume is not None:
             say_resume(resume, self.config, self._log)
@@ -275,10 +277,13 @@ class Trainer:
         self.session.load(read_marker(checkpoint) if isinstance(checkpoint, str) else checkpoint, self._warn)
         self.history = [m for m in self.history if m["step"] < self.global_step]
 
-    def _restarted(self, event: dict) -> None:
-        """Steps from the resumed one on will run again: they leave the history and MLflow."""
-        self.history = [m for m in self.history if m["step"] < event["resumed_step"]]
-        self.tracking.on_restart(event, len(self.restarts), self.config.parallel.dp)
+    def _on_elastic_state(self, state) -> None:
+        """After a restart (Running again, `after` it): the steps from the resumed one on will run
+        again, so they leave the history and MLflow, which logs the restart."""
+        if isinstance(state, Running) and state.after is not None:
+            event = state.after
+            self.history = [m for m in self.history if m["step"] < event["resumed_step"]]
+            self.tracking.on_restart(event, len(self.restarts), self.config.parallel.dp)
 
     # -- data and inspection ------------------------------------------------------------------
 

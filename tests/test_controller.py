@@ -72,8 +72,9 @@ class ScriptedRun:
         self.config = with_dp(self.config, replicas)
         return [100]
 
-    def on_restart(self, event):
-        self.events.append(event)
+    def on_state(self, state):  # the run's listener (the Trainer's): what a restart tells it
+        if isinstance(state, Running) and state.after is not None:
+            self.events.append(state.after)
 
 
 class ScriptedScaling:
@@ -95,6 +96,7 @@ def _controller(run, scaling=None, shared=False):
     controller = ElasticController(
         run, RecoveryPolicy(run.config.elastic, shared), scaling or ScriptedScaling(), said.append
     )
+    controller.subscribe(run.on_state)
     return controller, said
 
 

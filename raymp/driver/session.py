@@ -1,7 +1,7 @@
 """The actors of the run's current layout and what is tied to them: the group, the config it was
 launched with (stage split decided), the ranks' set-up reports, the planner's estimate and the
 checkpoint coordinator. It is the run the elastic controller drives (abandon_save, teardown,
-relaunch, on_restart); the Trainer steps it."""
+relaunch, keep_survivors, ...); the Trainer steps it."""
 
 from __future__ import annotations
 
@@ -26,12 +26,11 @@ from raymp.version import __version__
 
 
 class Session:
-    def __init__(self, config: RunConfig, launcher: Launcher, say, run_name: str, tracking, on_restart):
+    def __init__(self, config: RunConfig, launcher: Launcher, say, run_name: str, tracking):
         """`tracking`: the run's tracking hooks (a commit makes steps final; a checkpoint records
-        the MLflow run). `on_restart(event)`: the run was relaunched (after a failure, or growing
-        back) and resumes at event["resumed_step"]."""
+        the MLflow run)."""
         self.config, self.launcher, self.say, self.run_name = config, launcher, say, run_name
-        self.tracking, self._on_restart = tracking, on_restart
+        self.tracking = tracking
         self.group: ActorGroup | None = None
         self.checkpoints: CheckpointCoordinator | None = None
         self.setup_info: list[RankSetup] = []  # per rank: coords, stages, parameters, set-up memory
@@ -225,9 +224,6 @@ class Session:
             group.shutdown()  # a fault while joining: the restart path starts from nothing
             self.group = None
             raise
-
-    def on_restart(self, event: dict) -> None:
-        self._on_restart(event)
 
     # -- checkpoints --------------------------------------------------------------------------
 

@@ -58,8 +58,6 @@ class ElasticRun(Protocol):
 
     def join_live(self, replicas: int) -> list[int]: ...
 
-    def on_restart(self, event: RestartEvent) -> None: ...
-
     def commit_in_flight(self) -> None: ...
 
 
@@ -75,7 +73,8 @@ class ElasticController:
         self._listeners: list[Callable[[State], None]] = []
 
     def subscribe(self, listener: Callable[[State], None]) -> None:
-        """Call `listener(state)` on every state entered."""
+        """Call `listener(state)` on every state entered: `Running(after=event)` is how the run
+        (its history, its MLflow record) learns of a restart."""
         self._listeners.append(listener)
 
     def recover(self, lost: WorkerLostError) -> RestartEvent:
@@ -181,10 +180,9 @@ class ElasticController:
             raise state.error
         event = state.after
         event.update(detected_at=detected, attempts=attempts, restart_s=time.monotonic() - t0)
-        self._enter(state)
         self.restarts.append(event)
         self.say(_summary(event, len(self.restarts)))
-        self.run.on_restart(event)
+        self._enter(state)  # listeners see Running(after=event) with the restart counted
         return event
 
     def _decide(self, state: Recovering, first: WorkerLostError,
