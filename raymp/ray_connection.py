@@ -5,6 +5,9 @@ subpackage: data preparation and the trainer both connect, and neither may impor
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import threading
 
 import ray
 
@@ -28,11 +31,23 @@ def connect(address: str | None, min_cpus: float) -> None:
     address = _cluster_address(address)
     if address:
         ray.init(address=address, log_to_driver=True)
-        return
-    # A local instance: logical CPUs are oversubscribed if the run asks for more actors than
-    # cores (each actor then runs 1 thread), so a 2-core laptop can still run dp=4.
-    cpus = max(os.cpu_count() or 1, int(min_cpus + 0.999))
-    # A Ray of its own, even while another instance runs on this machine (a plain ray.init()
-    # would join that one, or refuse num_cpus).
-    with quiet_loggers(*RAY_LOCAL_START):
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+    else:
+        # A local instance: logical CPUs are oversubscribed if the run asks for more actors than
+        # cores (each actor then runs 1 thread), so a 2-core laptop can still run dp=4.
+        cpus = max(os.cpu_count() or 1, int(min_cpus + 0.999))
+        # A Ray of its own, even while another instance runs on this machine (a plain ray.init()
+        # would join that one, or refuse num_cpus).
+        with quiet_loggers(*RAY_LOCAL_START):
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+    _kernel_ends_on_sigterm()
+
+
+def _kernel_ends_on_sigterm() -> None:
+    """In a Jupyter kernel, SIGTERM ends the process at once. ray.init gives SIGTERM to abseil's
+    failure handler, which prints a stack dump (twice: stderr and Ray's log) before Ray's own
+    graceful exit; and a kernel is sent SIGTERM exactly when it has not exited within seconds of
+    its shutdown request (jupyter_client's shutdown_wait_time), as Ray's teardown of a local
+    instance on a busy machine does not. The local instance's processes end with the kernel
+    (Ray's reaper); a command-line run keeps its own handler (driver.stopping.stop_on_signals)."""
+    if "ipykernel" in sys.modules and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(128 + signum))

@@ -42,3 +42,31 @@ def test_example_notebook_executes(tmp_path):
     # The sweep's trials, from MLflow: both completed, their learning rates and losses.
     assert "params.optimizer.lr" in tables[-1]["data"]["text/html"] and "completed (best)" in text
     assert tables[-1]["data"]["text/html"].count("FINISHED") == 2
+
+
+def test_a_kernel_sent_sigterm_ends_without_ray_s_stack_dump(tmp_path):
+    """jupyter_client sends SIGTERM to a kernel that has not exited within seconds of its
+    shutdown request (Ray's teardown of a local instance on a busy machine does not): the kernel
+    that raymp connected to Ray then ends at once, without the stack dump Ray's handler prints."""
+    import signal
+
+    from jupyter_client import KernelManager
+
+    with open(tmp_path / "kernel.err", "w") as err:
+        km = KernelManager(kernel_name="python3")
+        km.start_kernel(stderr=err, env={**os.environ, "RAY_ADDRESS": ""}, cwd=str(ROOT))
+        try:
+            kc = km.client()
+            kc.start_channels()
+            kc.wait_for_ready(timeout=120)
+            reply = kc.execute_interactive("from raymp.ray_connection import connect; connect(None, 1)",
+                                           timeout=300)
+            kc.stop_channels()
+            assert reply["content"]["status"] == "ok"
+            os.kill(km.provisioner.pid, signal.SIGTERM)
+            assert km.provisioner.process.wait(timeout=120) == 128 + signal.SIGTERM
+        finally:
+            if km.is_alive():  # the handler failed: no kernel left behind
+                km.shutdown_kernel(now=True)
+            km.cleanup_resources()
+    assert "SIGTERM received" not in (tmp_path / "kernel.err").read_text()
