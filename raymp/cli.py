@@ -186,7 +186,9 @@ def _search_layouts(args) -> int:
 
     found = search_layouts(args.sweep, args.overrides, layouts=args.layouts)
     print(found.table())
-    print(f"saved the measured prices for the next `raymp plan` / parallel: auto of this config: {found.saved}")
+    print(
+        f"saved the measured prices for the next `raymp plan` / parallel: auto of this config: {found.saved}"
+    )
     if found.best is None:
         print("raymp: error: no layout of the search ran to its end", file=sys.stderr)
         return 1

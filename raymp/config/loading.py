@@ -149,7 +149,9 @@ def _resolve_auto_layout(data: dict) -> dict:
     cluster = ClusterConfig.model_validate(data["cluster"])
     tokenizer = (data.get("data") or {}).get("tokenizer", "byte")
     vocab = TOKENIZER_VOCAB.get(tokenizer)
-    priced, _ = planning_cluster(cluster, data.get("output_dir") or RunConfig.model_fields["output_dir"].default)
+    priced, _ = planning_cluster(
+        cluster, data.get("output_dir") or RunConfig.model_fields["output_dir"].default
+    )
     best = plan(
         model_args(model, vocab or 256),
         priced,

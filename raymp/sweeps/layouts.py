@@ -112,22 +112,40 @@ def search_layouts(config: RunConfig | str | dict, overrides: list[str] | None =
     priced = replace(cluster, gpu_tflops=rate / 1e12, achievable_mfu=1.0, cost_factors={})
     chosen = _top_layouts(plan(args, priced, gb, seq, cfg.bf16, shape=shape), layouts)
     if not chosen:
-        raise ConfigError(f"no layout of {cfg.cluster.nodes} x {cfg.cluster.gpus_per_node} devices with "
-                          f"{cfg.cluster.gpu_memory_gb:g} GB fits; run `raymp plan` on this config to see why")
+        raise ConfigError(
+            f"no layout of {cfg.cluster.nodes} x {cfg.cluster.gpus_per_node} devices with "
+            f"{cfg.cluster.gpu_memory_gb:g} GB fits; run `raymp plan` on this config to see why"
+        )
     estimates = [step_seconds(args, lay, priced, gb, seq, cfg.bf16) for lay in chosen]
-    spec = {"name": f"{cfg.name}-layouts", "space": {"parallel": {"grid": [lay.as_parallel() for lay in chosen]}},
-            "metric": "step_time_s", "mode": "min", "asha": None, "max_concurrent": 1}
+    spec = {
+        "name": f"{cfg.name}-layouts",
+        "space": {"parallel": {"grid": [lay.as_parallel() for lay in chosen]}},
+        "metric": "step_time_s",
+        "mode": "min",
+        "asha": None,
+        "max_concurrent": 1,
+    }
     result = sweep(spec, common, base={**dumped, "parallel": chosen[0].as_parallel()}, log=log)
     by_layout = {_key(t.params.get("parallel")): t for t in result.trials}
     trials = [by_layout.get(_key(lay.as_parallel())) for lay in chosen]
-    measured = [t.last.get(STEADY_STEP_S) if t is not None and t.status == "completed" else None for t in trials]
+    measured = [
+        t.last.get(STEADY_STEP_S) if t is not None and t.status == "completed" else None for t in trials
+    ]
     factors = calibrate_cost_factors([(lay, est, got) for lay, est, got in zip(chosen, estimates, measured)
                                       if got is not None])
     calibrated = replace(priced, cost_factors=factors)
-    rows = [MeasuredLayout(lay, est["step_s"], step_seconds(args, lay, calibrated, gb, seq, cfg.bf16)["step_s"],
-                           got, t.last.get("loss") if t else None, t.status if t else "not run",
-                           t.run_id if t else "")
-            for lay, est, got, t in zip(chosen, estimates, measured, trials)]
+    rows = [
+        MeasuredLayout(
+            lay,
+            est["step_s"],
+            step_seconds(args, lay, calibrated, gb, seq, cfg.bf16)["step_s"],
+            got,
+            t.last.get("loss") if t else None,
+            t.status if t else "not run",
+            t.run_id if t else "",
+        )
+        for lay, est, got, t in zip(chosen, estimates, measured, trials)
+    ]
     saved = save_calibration(cfg.output_dir, Calibration(
         cfg.cluster.nodes, cfg.cluster.gpus_per_node, rate / 1e12, factors,
         time.strftime("%Y-%m-%d %H:%M:%S"), [lay.text(detail=True) for lay in chosen]))
