@@ -253,6 +253,10 @@ def test_a_layout_search_picks_the_fastest_measured_layout_and_the_next_plan_use
     assert found.cost_factors and set(found.cost_factors) <= {"ddp", "fsdp", "tp", "sp", "cp", "pp"}
     table = found.table()
     assert "(fastest)" in table and table.count("completed") == 3
+    client, children = _children(f"sqlite:///{base['output_dir']}/mlflow.db", found.parent_run_id)
+    assert len(children) == 3 and client.download_artifacts(found.parent_run_id, "layouts.txt", str(tmp_path))
+    parent = client.get_run(found.parent_run_id)
+    assert parent.data.tags["raymp.fastest_layout"] == found.best.layout.text(detail=True)
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(base))
     assert main(["plan", str(path)]) == 0

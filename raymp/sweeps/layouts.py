@@ -31,6 +31,7 @@ from raymp.ray_connection import connect
 from raymp.step_time import calibrate_cost_factors, cluster_from_config, step_flops, step_seconds
 from raymp.sweeps.run import TRIAL_CPU, sweep
 from raymp.sweeps.trial import STEADY_STEP_S
+from raymp.tracking_store import tracking_uri
 from raymp.trainer import Trainer
 
 DEFAULT_STEPS = 6  # per layout: the steady half of them is what is compared
@@ -149,7 +150,21 @@ def search_layouts(config: RunConfig | str | dict, overrides: list[str] | None =
     saved = save_calibration(cfg.output_dir, Calibration(
         cfg.cluster.nodes, cfg.cluster.gpus_per_node, rate / 1e12, factors,
         time.strftime("%Y-%m-%d %H:%M:%S"), [lay.text(detail=True) for lay in chosen]))
-    return LayoutSearch(rows, rate / 1e12, factors, saved, result.parent_run_id)
+    found = LayoutSearch(rows, rate / 1e12, factors, saved, result.parent_run_id)
+    if result.parent_run_id:
+        _record_in_parent(cfg, result.parent_run_id, found)
+    return found
+
+
+def _record_in_parent(cfg: RunConfig, run_id: str, found: LayoutSearch) -> None:
+    """The table (each estimate beside its measurement) and the pick, on the sweep's MLflow
+    parent run: the trials beneath it are the measurements."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri(cfg))
+    client.log_text(run_id, found.table() + "\n", "layouts.txt")
+    if found.best is not None:
+        client.set_tag(run_id, "raymp.fastest_layout", found.best.layout.text(detail=True))
 
 
 def _one_actor_step_s(dumped: dict, overrides: list[str]) -> float:
