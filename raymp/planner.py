@@ -276,25 +276,31 @@ def proposals(cluster: Cluster, shape: ModelShape, seq_len: int, micro_batch_siz
                                 )
 
 
+def usable_bytes(cluster: Cluster) -> float:
+    """A device's memory a layout may fill (the rest: allocator, CUDA context, fragmentation)."""
+    return cluster.gpu_memory_gb * GB * cluster.usable_fraction
+
+
+def judge(args, layout: Layout, cluster: Cluster, global_batch: int, seq_len: int, bf16: bool) -> Candidate:
+    """One layout estimated: its ranks' memory, its step time, and whether it fits (why not)."""
+    ranks = estimate(args, layout, global_batch, seq_len, bf16)
+    peak, limit = max(r.total_bytes for r in ranks), usable_bytes(cluster)
+    fits = peak <= limit
+    reason = "" if fits else f"needs {peak / GB:.1f} GB per GPU > {limit / GB:.1f} GB usable"
+    return Candidate(
+        layout, ranks, step_seconds(args, layout, cluster, global_batch, seq_len, bf16), fits, reason
+    )
+
+
 def plan(args, cluster: Cluster, global_batch: int, seq_len: int, bf16: bool = True,
          micro_batch_sizes=(1, 2, 4), shape: ModelShape | None = None) -> Plan:
     """Every layout of the cluster's devices that runs (by the layout rules), estimated;
     feasible ones ranked by throughput."""
     shape = shape or ModelShape.of_args(args)
     result = Plan()
-    limit = cluster.gpu_memory_gb * GB * cluster.usable_fraction
     for layout in proposals(cluster, shape, seq_len, micro_batch_sizes):
-        if layout_problem(args, layout, global_batch, seq_len, cluster, shape):
-            continue
-        ranks = estimate(args, layout, global_batch, seq_len, bf16)
-        peak = max(r.total_bytes for r in ranks)
-        fits = peak <= limit
-        reason = "" if fits else f"needs {peak / GB:.1f} GB per GPU > {limit / GB:.1f} GB usable"
-        result.candidates.append(
-            Candidate(
-                layout, ranks, step_seconds(args, layout, cluster, global_batch, seq_len, bf16), fits, reason
-            )
-        )
+        if not layout_problem(args, layout, global_batch, seq_len, cluster, shape):
+            result.candidates.append(judge(args, layout, cluster, global_batch, seq_len, bf16))
     return result
 
 
@@ -331,16 +337,8 @@ def explain(args, layout: Layout, cluster: Cluster, global_batch: int, seq_len: 
     problem = layout_problem(args, layout, global_batch, seq_len, cluster, shape)
     if problem:
         return f"Compared layout {layout.text(detail=True)}: cannot run: {problem}."
-    limit = cluster.gpu_memory_gb * GB * cluster.usable_fraction
-
-    def judge(lay: Layout) -> Candidate:
-        ranks = estimate(args, lay, global_batch, seq_len, bf16)
-        peak = max(r.total_bytes for r in ranks)
-        return Candidate(
-            lay, ranks, step_seconds(args, lay, cluster, global_batch, seq_len, bf16), peak <= limit
-        )
-
-    c = judge(layout)
+    limit = usable_bytes(cluster)
+    c = judge(args, layout, cluster, global_batch, seq_len, bf16)
     verdict = "fits" if c.fits else "does NOT fit"
     lines = [f"Compared layout {layout.text(detail=True)}: {verdict} in {limit / GB:.1f} GB usable per GPU; "
              f"{breakdown(c)}; ~{c.time['tokens_per_s']:,.0f} tokens/s."]
@@ -348,7 +346,7 @@ def explain(args, layout: Layout, cluster: Cluster, global_batch: int, seq_len: 
         fixes = []
         for change in ({"zero": 3}, {"activation_checkpointing": True},
                        {"zero": 3, "activation_checkpointing": True}):
-            variant = judge(dataclasses.replace(layout, **change))
+            variant = judge(args, dataclasses.replace(layout, **change), cluster, global_batch, seq_len, bf16)
             if layout_problem(args, variant.layout, global_batch, seq_len, cluster, shape) == "":
                 fixes.append(
                     f"{', '.join(f'{k}={v}' for k, v in change.items())}: "

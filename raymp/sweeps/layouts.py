@@ -26,10 +26,10 @@ from raymp.driver.summary import steady_median
 from raymp.layout import Layout
 from raymp.models import model_args
 from raymp.models.shape import TOKENIZER_VOCAB, model_shape
-from raymp.planner import estimate, plan
+from raymp.planner import Candidate, judge, plan
 from raymp.ray_connection import connect
 from raymp.step_time import calibrate_cost_factors, cluster_from_config, step_flops, step_seconds
-from raymp.sweeps.run import TRIAL_CPU, sweep
+from raymp.sweeps.run import sweep, trial_cpus
 from raymp.sweeps.trial import STEADY_STEP_S
 from raymp.tracking_store import tracking_uri
 from raymp.trainer import Trainer
@@ -97,27 +97,30 @@ def search_layouts(config: RunConfig | str | dict, overrides: list[str] | None =
     mbs = next(m for m in (4, 2, 1) if gb % m == 0)
     alone = Layout(1, 1, 1, 0, mbs, False)
     cluster = cluster_from_config(cfg.cluster)
-    need = max(r.total_bytes for r in estimate(args, alone, gb, seq, cfg.bf16))
-    if need > cluster.gpu_memory_gb * 1e9 * cluster.usable_fraction:
+    one_device = judge(args, alone, cluster, gb, seq, cfg.bf16)
+    if not one_device.fits:
         raise ConfigError(
             f"a layout search measures the compute rate on one device, and this model needs "
-            f"{need / 1e9:.1f} GB there (cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb:g}); plan with "
-            "`raymp plan` and set cluster.cost_factors from BENCHMARKS.md's planner check instead")
+            f"{one_device.peak_bytes / 1e9:.1f} GB there (cluster.gpu_memory_gb="
+            f"{cfg.cluster.gpu_memory_gb:g}); plan with "
+            "`raymp plan` and set cluster.cost_factors from BENCHMARKS.md's planner check instead"
+        )
     common = [f"train.steps={steps}", "checkpoint.every=0", "train.eval_batches=0"]
-    connect(cfg.resources.address, world * cfg.resources.cpus_per_actor + 1 + TRIAL_CPU)
+    connect(cfg.resources.address, trial_cpus(cfg, world))
 
     seconds = _one_actor_step_s(dumped, [*common, f"parallel={json.dumps(alone.as_parallel())}"])
     rate = step_flops(args, gb, seq) / seconds
     log(f"layout search: one actor trains {cfg.model.preset or 'the model'} at "
         f"{rate / 1e9:.3g} GFLOP/s ({seconds * 1e3:.0f} ms a step)")
     priced = replace(cluster, gpu_tflops=rate / 1e12, achievable_mfu=1.0, cost_factors={})
-    chosen = _top_layouts(plan(args, priced, gb, seq, cfg.bf16, shape=shape), layouts)
+    top = _top_candidates(plan(args, priced, gb, seq, cfg.bf16, shape=shape), layouts)
+    chosen = [c.layout for c in top]
     if not chosen:
         raise ConfigError(
             f"no layout of {cfg.cluster.nodes} x {cfg.cluster.gpus_per_node} devices with "
             f"{cfg.cluster.gpu_memory_gb:g} GB fits; run `raymp plan` on this config to see why"
         )
-    estimates = [step_seconds(args, lay, priced, gb, seq, cfg.bf16) for lay in chosen]
+    estimates = [c.time for c in top]  # the plan's own estimates, at the measured compute rate
     spec = {
         "name": f"{cfg.name}-layouts",
         "space": {"parallel": {"grid": [lay.as_parallel() for lay in chosen]}},
@@ -175,7 +178,7 @@ def _one_actor_step_s(dumped: dict, overrides: list[str]) -> float:
     return steady_median(history, "step_time_s")
 
 
-def _top_layouts(result, n: int) -> list[Layout]:
+def _top_candidates(result, n: int) -> list[Candidate]:
     """The planner's n fastest layouts that fit, one per split of the devices and ZeRO stage (its
     best micro-batch size and recomputation choice): n variants of one layout would measure one
     thing n times."""
@@ -185,7 +188,7 @@ def _top_layouts(result, n: int) -> list[Layout]:
         split = (lay.dp, lay.dp_replicate, lay.cp, lay.pp, lay.tp, lay.zero)
         if split not in seen:
             seen.add(split)
-            chosen.append(lay)
+            chosen.append(candidate)
         if len(chosen) == n:
             break
     return chosen

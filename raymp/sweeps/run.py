@@ -81,9 +81,11 @@ def _fmt(value: Any) -> str:
 TRIAL_CPU = 0.01
 
 
-def trial_cpus(cfg: RunConfig) -> float:
-    """What one trial holds: its actors, its driver and one CPU for the Ray Data tasks that feed them."""
-    return cfg.parallel.layout.world_size * cfg.resources.cpus_per_actor + 1 + TRIAL_CPU
+def trial_cpus(cfg: RunConfig, world: int | None = None) -> float:
+    """What one trial holds: its actors (`world` of them, default the config's layout's), its
+    driver and one CPU for the Ray Data tasks that feed them."""
+    world = cfg.parallel.layout.world_size if world is None else world
+    return world * cfg.resources.cpus_per_actor + 1 + TRIAL_CPU
 
 
 def concurrency(spec: SweepSpec, cfg: RunConfig, cluster_cpus: float | None) -> int:
