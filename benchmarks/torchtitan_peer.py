@@ -84,9 +84,8 @@ def register_config(steps: int, batch: int, seq_len: int, lr: float, fp8: str | 
             hf_assets_path=tokenizer,
             model_spec=spec,
             optimizer=default_adamw(lr=lr),
-            lr_scheduler=LRSchedulersContainer.Config(
-                warmup_steps=1, decay_ratio=0.0
-            ),  # then constant, as raymp
+            # then constant, as raymp
+            lr_scheduler=LRSchedulersContainer.Config(warmup_steps=1, decay_ratio=0.0),
             training=TrainingConfig(local_batch_size=batch, seq_len=seq_len, steps=steps),
             dataloader=HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path=dataset),
             metrics=MetricsProcessor.Config(log_freq=1, disable_color_printing=True),

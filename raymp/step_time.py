@@ -110,9 +110,8 @@ def step_seconds(args, layout: Layout, cluster: Cluster, global_batch: int, seq_
     cp_time = 0.0
     if layout.cp > 1:  # per block: q, k, v and the output all-to-all forward, their gradients back
         exchanges = micro * 8 * args.n_layers / layout.pp
-        local = (
-            layout.micro_batch_size * local_seq * args.dim / layout.tp * act
-        )  # k, v repeated to every head
+        # k, v repeated to every head:
+        local = layout.micro_batch_size * local_seq * args.dim / layout.tp * act
         cp_time = exchanges * (local * (layout.cp - 1) / layout.cp / (cluster.intra_node_gbps * GB)
                                + cluster.message_latency_s)
     pp_time = 0.0

@@ -82,15 +82,13 @@ class Trainer:
 
     @property
     def failures(self) -> list[dict]:
-        return (
-            self.elastic.failures if self.elastic else []
-        )  # every lost rank, in order (while recovering too)
+        # Every lost rank, in order (while recovering too).
+        return self.elastic.failures if self.elastic else []
 
     @property
     def restarts(self) -> list[dict]:
-        return (
-            self.elastic.restarts if self.elastic else []
-        )  # every restart (failure, growing back) as its event
+        # Every restart (failure, rewind, growing back) as its event.
+        return self.elastic.restarts if self.elastic else []
 
     # -- set-up -------------------------------------------------------------------------------
 

@@ -220,10 +220,11 @@ def test_a_uri_output_dir_keeps_the_run_data_and_checkpoints_and_resumes(tmp_pat
     with Trainer(cfg, actor_group=group2, progress=False) as t:
         assert t.run_dir == f"{store}/on-uri"
         whole = t.fit()
+        # The run says where everything is.
         assert (
             f"kept in {store}/on-uri (config.yaml), checkpoints in {store}/on-uri/checkpoints, prepared data "
             f"in {store}/data-cache" in t.describe()
-        )  # the run says where everything is
+        )
     run = tmp_path / "store" / "on-uri"
     assert (run / "config.yaml").is_file() and any((tmp_path / "store" / "data-cache").iterdir())
     assert [c.step for c in CheckpointStore(f"{store}/on-uri/checkpoints").committed()] == [4, 6]

@@ -56,9 +56,8 @@ def _containers(template):
 def _check_cluster_spec(spec):
     assert spec["rayVersion"].startswith("2.")
     head = spec["headGroupSpec"]
-    assert (
-        "rayStartParams" in head
-    )  # the images: test_kuberay_pods_run_an_image_with_raymp_at_the_tested_ray_version
+    # The images: test_kuberay_pods_run_an_image_with_raymp_at_the_tested_ray_version.
+    assert "rayStartParams" in head
     # The job manager on the head reads it (ray job stop: SIGKILL this long after SIGTERM).
     assert {"name": "RAY_JOB_STOP_WAIT_TIME_S", "value": str(STOP_WAIT_S)} in _containers(head["template"])[
         0

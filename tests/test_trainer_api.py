@@ -89,9 +89,8 @@ def test_unplaceable_layout_fails_after_bounded_wait(ray_local):
     t0 = time.perf_counter()
     with pytest.raises(PlacementError, match=r"could not place 2 actors .*CPU.: 64.*placement_timeout_s"):
         ActorGroup(2, "cpu", cpus_per_actor=64, placement_timeout_s=2)
-    assert (
-        time.perf_counter() - t0 >= 2
-    )  # it did wait for the knob's time (a lower bound holds on any machine)
+    # It did wait for the knob's time (a lower bound holds on any machine).
+    assert time.perf_counter() - t0 >= 2
     # The pending placement group was removed: nothing is left reserved.
     assert ray_local.available_resources().get("CPU", 0) >= 0
 

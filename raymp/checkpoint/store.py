@@ -256,9 +256,8 @@ class CheckpointStore:
         for e in entries:
             if (e.committed and e.step not in keep) or (not e.committed and e.step < newest):
                 name = e.path.rsplit("/", 1)[-1]
-                if (
-                    e.committed
-                ):  # uncommit first: a prune cut short must not leave a marker over missing shards
+                # Uncommit first: a prune cut short must not leave a marker over missing shards.
+                if e.committed:
                     self.fs.rm(f"{self._root}/{name}/{MARKER}")
                 self.fs.rm(f"{self._root}/{name}", recursive=True)
                 removed.append(name)

@@ -95,9 +95,8 @@ class RunTracking:
     def on_step(self, metrics: dict) -> None:
         logged = {name: metrics[k] for k, name in names.PER_STEP.items() if metrics.get(k) is not None}
         logged[names.PEAK_MEM] = metrics["peak_mem_bytes_max"] / 2**20
-        if (
-            metrics["memory_step"] == metrics["step"]
-        ):  # measured on this step, not carried from an earlier one
+        # Measured on this step, not carried from an earlier one:
+        if metrics["memory_step"] == metrics["step"]:
             logged[names.MEASURED_MEM] = metrics["memory_measured_bytes_max"] / 2**20
             logged[names.ESTIMATED_MEM] = metrics["memory_estimate_bytes_max"] / 2**20
         for r in metrics["per_rank"]:

@@ -164,8 +164,8 @@ class MoEFeedForward(nn.Module):
             aux = (
                 self._balance_loss(chosen.view(b, s, -1), scores.view(b, s, -1))
                 if self.args.aux_loss_coef > 0
-                else torch.zeros((), device=x.device)
-            )  # off: nothing to compute
+                else torch.zeros((), device=x.device)  # off: nothing to compute
+            )
             if self.count_routing and not recomputing():  # activation checkpointing runs the forward again
                 self.routing.add(counts, aux)
             if self.args.aux_loss_coef > 0:
