@@ -125,7 +125,8 @@ def ray_head():
         joined_by = time.time() + 240
         status_args = ("status", "--address", f"127.0.0.1:{port}")
         while "0.0/4.0 CPU" not in (status := ray_cli(node_env, *status_args)).stdout:
-            assert time.time() < joined_by, f"the worker node did not join in 240 s: {status.stdout}{status.stderr}"
+            why = status.stdout + status.stderr
+            assert time.time() < joined_by, f"the worker node did not join in 240 s: {why}"
             time.sleep(1)
         yield client_env, f"127.0.0.1:{port}"
     finally:
@@ -182,32 +183,16 @@ def test_submit_follow_stop_and_check_mlflow(ray_head, tmp_path, data_cache):
     out_dir = tmp_path / "runs"
     common = ["--set", f"output_dir={out_dir}", "--set", f"data.cache_dir={data_cache}",
               "--set", "tracking.experiment=job-test"]
-    done = submit(
-        env,
-        "--submission-id",
-        "raymp-ok",
-        "--working-dir",
-        ".",
-        "--",
-        "raymp",
-        "train",
-        "configs/tiny.yaml",
-        "--set",
-        "train.steps=6",
-        "--set",
-        "train.log_every=2",
-        "--set",
-        "optimizer.warmup_steps=1",
-        *common,
-    )
+    job = ["--working-dir", ".", "--", "raymp", "train", "configs/tiny.yaml"]  # each job's entrypoint
+    done = submit(env, "--submission-id", "raymp-ok", *job, "--set", "train.steps=6",
+                  "--set", "train.log_every=2", "--set", "optimizer.warmup_steps=1", *common)
     # `ray job submit` follows the logs and returns when the job ends.
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert wait_for(env, "raymp-ok", {"SUCCEEDED", "FAILED", "STOPPED"}) == "SUCCEEDED"
 
     # Issue 24: without output_dir, results went into Ray's copy of the working dir, deleted after
     # the job. Now the job fails at once, saying what to set.
-    lost = submit(env, "--submission-id", "raymp-relative", "--working-dir", ".", "--",
-                  "raymp", "train", "configs/tiny.yaml", "--set", f"data.cache_dir={data_cache}")
+    lost = submit(env, "--submission-id", "raymp-relative", *job, "--set", f"data.cache_dir={data_cache}")
     assert lost.returncode != 0
     assert wait_for(env, "raymp-relative", {"SUCCEEDED", "FAILED", "STOPPED"}) == "FAILED"
     logs = ray_cli(env, "job", "logs", "raymp-relative").stdout
@@ -217,27 +202,9 @@ def test_submit_follow_stop_and_check_mlflow(ray_head, tmp_path, data_cache):
     assert "step     6/6" in logs and "MLflow run" in logs  # progress streamed into the job logs
 
     ckpt = tmp_path / "stopped-checkpoints"
-    long = submit(
-        env,
-        "--no-wait",
-        "--submission-id",
-        "raymp-stop",
-        "--working-dir",
-        ".",
-        "--",
-        "raymp",
-        "train",
-        "configs/tiny.yaml",
-        "--set",
-        "train.steps=100000",
-        "--set",
-        "train.log_every=1",
-        "--set",
-        "checkpoint.every=2",
-        "--set",
-        f"checkpoint.dir={ckpt}",
-        *common,
-    )
+    long = submit(env, "--no-wait", "--submission-id", "raymp-stop", *job, "--set", "train.steps=100000",
+                  "--set", "train.log_every=1", "--set", "checkpoint.every=2",
+                  "--set", f"checkpoint.dir={ckpt}", *common)
     assert long.returncode == 0, long.stderr
     deadline = time.time() + 180
     while "step     4/" not in ray_cli(env, "job", "logs", "raymp-stop").stdout:
