@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -99,6 +100,47 @@ def register_config(steps: int, batch: int, seq_len: int, lr: float, fp8: str | 
     registry.llama3_1b_gpu_check = llama3_1b_gpu_check
 
 
+# torchtitan 0.3.0 imports at module level torch names that its one-GPU path never uses (e.g.
+# torch.distributed.fsdp.DataParallelMeshDims, which its default spmd_types backend passes to fully_shard
+# only when the data-parallel mesh has more than one rank); a torch released before them lacks them,
+# and the device machine's torch may be one. The check gives each such name a stand-in that raises
+# if torchtitan constructs or calls it, and says so beside torchtitan's rows.
+MISSING_TORCH_NAME = re.compile(r"cannot import name '(\w+)' from '(torch(?:\.\w+)*)'")
+STAND_IN_LINE = "raymp-gpu-check: stand-in for "
+
+
+def import_with_stand_ins(module: str, limit: int = 8) -> list[str]:
+    """Import `module`, giving torch a stand-in for each name it lacks that the import asks for (up
+    to `limit`), printing a STAND_IN_LINE per stand-in. Returns the names stood in for; any other
+    import error is raised as it is."""
+    import importlib
+
+    provided: list[str] = []
+    while True:
+        try:
+            importlib.import_module(module)
+            return provided
+        except ImportError as exc:
+            missing = MISSING_TORCH_NAME.search(str(exc))
+            if missing is None or len(provided) >= limit:
+                raise
+            name, owner = missing.groups()
+            qualified = f"{owner}.{name}"
+
+            def refuse(*args, _name=qualified, **kwargs):
+                raise RuntimeError(f"torchtitan used {_name}, which this torch lacks (the check gave it a stand-in)")
+
+            setattr(importlib.import_module(owner), name, type(name, (), {"__init__": refuse}))
+            provided.append(qualified)
+            print(STAND_IN_LINE + qualified, flush=True)
+
+
+def stand_ins(text: str) -> list[str]:
+    """The names the launched process stood in for (its STAND_IN_LINE lines)."""
+    return sorted({line.split(STAND_IN_LINE, 1)[1].strip() for line in ANSI.sub("", text).splitlines()
+                   if STAND_IN_LINE in line})
+
+
 def parse_log(text: str) -> list[dict]:
     """torchtitan's per-step lines: step, loss, peak reserved memory (GiB), tokens/s."""
     rows = []
@@ -141,7 +183,7 @@ def summarize(rows: list[dict], batch: int, seq_len: int) -> dict:
 
 
 def run(
-    steps: int, batch: int, seq_len: int, lr: float, fp8: str | None = None, timeout_s: float = 600
+    steps: int, batch: int, seq_len: int, lr: float, fp8: str | None = None, timeout_s: float = 180
 ) -> dict:
     """Launch torchtitan's train script under torchrun (one GPU) and return its timed row."""
     assets = tempfile.mkdtemp(prefix="raymp-torchtitan-")
@@ -150,14 +192,22 @@ def run(
            "--seq-len", str(seq_len), "--lr", str(lr), "--assets", assets] + (["--fp8", fp8] if fp8 else [])
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(
         [REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
-    log = done.stdout + done.stderr
+    # Its own session, so that a run past timeout_s takes torchrun's worker (and its GPU memory) with it.
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        Path(assets, "train.log").write_text(log)
+        raise RuntimeError(f"torchtitan ran past {timeout_s:.0f} s and was stopped (log: {assets}/train.log)")
     Path(assets, "train.log").write_text(log)
-    if done.returncode != 0:
+    if proc.returncode != 0:
         raise RuntimeError(
-            f"torchtitan exited {done.returncode}: {failure_line(log)[:300]} (log: {assets}/train.log)"
+            f"torchtitan exited {proc.returncode}: {failure_line(log)[:300]} (log: {assets}/train.log)"
         )
-    return summarize(parse_log(log), batch, seq_len)
+    return {**summarize(parse_log(log), batch, seq_len), "stand_ins": stand_ins(log)}
 
 
 def main(argv=None) -> None:
@@ -171,6 +221,7 @@ def main(argv=None) -> None:
     parser.add_argument("--fp8", choices=["tensorwise", "rowwise"], default=None)
     parser.add_argument("--assets", required=True)
     opts = parser.parse_args(argv)
+    import_with_stand_ins("torchtitan.train")
     register_config(opts.steps, opts.batch, opts.seq_len, opts.lr, opts.fp8, opts.assets)
     from torchtitan.train import main as torchtitan_main
 

@@ -157,3 +157,27 @@ def test_a_failed_torchtitan_run_is_named_by_its_exception_line():
            "============================================================\n")
     assert failure_line(log).startswith("ImportError: cannot import name 'DataParallelMeshDims'")
     assert failure_line("just output\n====\n") == "===="
+
+
+def test_torchtitan_gets_a_stand_in_only_for_a_torch_name_it_lacks(tmp_path, monkeypatch, capsys):
+    import torch.distributed.fsdp as fsdp
+
+    from benchmarks import torchtitan_peer
+
+    (tmp_path / "peer_needs_new_torch.py").write_text(
+        "from torch.distributed.fsdp import fully_shard, RaympCheckMissingName\n"
+    )
+    (tmp_path / "peer_needs_other.py").write_text("from raymp import RaympCheckMissingName\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert torchtitan_peer.import_with_stand_ins("peer_needs_new_torch") == [
+            "torch.distributed.fsdp.RaympCheckMissingName"
+        ]
+        with pytest.raises(RuntimeError, match="used torch.distributed.fsdp.RaympCheckMissingName"):
+            fsdp.RaympCheckMissingName(shard="dp_shard")
+    finally:
+        del fsdp.RaympCheckMissingName
+    with pytest.raises(ImportError, match="from 'raymp'"):  # only torch's names get stand-ins
+        torchtitan_peer.import_with_stand_ins("peer_needs_other")
+    log = "step:  1 ...\n" + capsys.readouterr().out
+    assert torchtitan_peer.stand_ins(log) == ["torch.distributed.fsdp.RaympCheckMissingName"]
