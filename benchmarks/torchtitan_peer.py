@@ -18,6 +18,7 @@ neither its test tokenizer nor its test data, and the device machine reaches no 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -135,6 +136,32 @@ def import_with_stand_ins(module: str, limit: int = 8) -> list[str]:
             print(STAND_IN_LINE + qualified, flush=True)
 
 
+def accept_separate_full_blocks() -> str | None:
+    """torchtitan 0.3.0 passes create_block_mask a `separate_full_blocks` argument that torch releases
+    before it lack: they always separate full blocks, which is what torchtitan asks for outside its
+    batch-invariant mode. On such a torch, give flex_attention.create_block_mask a wrapper that takes
+    the argument (True only: it raises on False) before torchtitan imports it. Returns the stand-in's
+    name when one was given (printed as a STAND_IN_LINE)."""
+    import inspect
+
+    import torch.nn.attention.flex_attention as flex
+
+    original = flex.create_block_mask
+    if "separate_full_blocks" in inspect.signature(original).parameters:
+        return None
+
+    @functools.wraps(original)
+    def create_block_mask(*args, separate_full_blocks: bool = True, **kwargs):
+        if not separate_full_blocks:
+            raise RuntimeError("torchtitan asked for unseparated full blocks, which this torch's create_block_mask lacks")
+        return original(*args, **kwargs)
+
+    flex.create_block_mask = create_block_mask
+    name = "create_block_mask(separate_full_blocks=True), this torch's only behaviour"
+    print(STAND_IN_LINE + name, flush=True)
+    return name
+
+
 def stand_ins(text: str) -> list[str]:
     """The names the launched process stood in for (its STAND_IN_LINE lines)."""
     return sorted({line.split(STAND_IN_LINE, 1)[1].strip() for line in ANSI.sub("", text).splitlines()
@@ -221,6 +248,7 @@ def main(argv=None) -> None:
     parser.add_argument("--fp8", choices=["tensorwise", "rowwise"], default=None)
     parser.add_argument("--assets", required=True)
     opts = parser.parse_args(argv)
+    accept_separate_full_blocks()
     import_with_stand_ins("torchtitan.train")
     register_config(opts.steps, opts.batch, opts.seq_len, opts.lr, opts.fp8, opts.assets)
     from torchtitan.train import main as torchtitan_main

@@ -181,3 +181,29 @@ def test_torchtitan_gets_a_stand_in_only_for_a_torch_name_it_lacks(tmp_path, mon
         torchtitan_peer.import_with_stand_ins("peer_needs_other")
     log = "step:  1 ...\n" + capsys.readouterr().out
     assert torchtitan_peer.stand_ins(log) == ["torch.distributed.fsdp.RaympCheckMissingName"]
+
+
+def test_create_block_mask_takes_torchtitan_s_argument_only_where_torch_lacks_it(monkeypatch, capsys):
+    import torch.nn.attention.flex_attention as flex
+
+    from benchmarks import torchtitan_peer
+
+    calls = []
+
+    def old_create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cuda"):
+        calls.append((B, Q_LEN, device))
+        return "mask"
+
+    monkeypatch.setattr(flex, "create_block_mask", old_create_block_mask)
+    assert torchtitan_peer.accept_separate_full_blocks().startswith("create_block_mask(separate_full_blocks=True)")
+    assert flex.create_block_mask(None, 2, None, 8, 8, device="cpu", separate_full_blocks=True) == "mask"
+    assert calls == [(2, 8, "cpu")]
+    with pytest.raises(RuntimeError, match="unseparated full blocks"):
+        flex.create_block_mask(None, 2, None, 8, 8, separate_full_blocks=False)
+    assert torchtitan_peer.stand_ins(capsys.readouterr().out)[0].startswith("create_block_mask(")
+
+    def new_create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cuda", separate_full_blocks=True):
+        return "mask"
+
+    monkeypatch.setattr(flex, "create_block_mask", new_create_block_mask)
+    assert torchtitan_peer.accept_separate_full_blocks() is None and flex.create_block_mask is new_create_block_mask
