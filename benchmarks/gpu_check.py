@@ -412,7 +412,7 @@ def main(argv=None) -> None:
             "MFU counts 6 x parameters (the tied output projection once) + 12 x layers x dim x seq_len FLOPs per "
             "token for every run, torchtitan's included (its own formula).",
             "The plain loop computes the loss with raymp's eager blockwise loss (see the loss table: slower "
-            "than F.cross_entropy on fp32 logits, in a tenth of the memory).",
+            "than F.cross_entropy on fp32 logits, in an eighth of the memory above the logits).",
         ] + ([f"{TORCHTITAN} ran with a stand-in for {', '.join(sorted(stood_in))}: names it imports at module "
               f"level but does not use on one GPU, which this machine's torch {torch.__version__} lacks "
               "(benchmarks/torchtitan_peer.py; a stand-in raises if constructed)."] if stood_in else [])
