@@ -4,7 +4,6 @@ transformers' own logits. Two gloo processes, no Ray."""
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -16,8 +15,9 @@ from raymp.models import build_model  # noqa: E402
 from raymp.models.hf import HFSpec, load_hf_config, to_hf_state_dict  # noqa: E402
 from raymp.models.masks import document_ids  # noqa: E402
 from raymp.models.spec import build_part  # noqa: E402
-from test_document_mask import EOT, documents, packed_tokens  # noqa: E402
-from test_hf_models import SLIDING  # noqa: E402
+from helpers.documents import EOT, documents, packed_tokens  # noqa: E402
+from helpers.hf_cases import SLIDING  # noqa: E402
+from helpers.ports import free_port  # noqa: E402
 
 
 def _tp2_logits(rank: int, port: int, hf_config: dict, sequence_parallel: bool, out: str) -> None:
@@ -42,10 +42,7 @@ def _tp2_logits(rank: int, port: int, hf_config: dict, sequence_parallel: bool, 
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
@@ -57,7 +54,7 @@ def test_tp2_logits_equal_transformers_with_sliding_window_and_document_masks(
     each rank holds half of it between layers."""
     hf_config = SLIDING[family]
     out = str(tmp_path / "logits.pt")
-    mp.spawn(_tp2_logits, args=(_free_port(), hf_config, sequence_parallel, out), nprocs=2, join=True)
+    mp.spawn(_tp2_logits, args=(free_port(), hf_config, sequence_parallel, out), nprocs=2, join=True)
     logits = torch.load(out)
     spec = HFSpec(load_hf_config(None, hf_config), None, seed=3)
     whole = build_model(spec, 3)

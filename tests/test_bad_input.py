@@ -16,7 +16,8 @@ from raymp.checkpoint.store import CheckpointError
 from raymp.config import ConfigError
 from raymp.data import DataError
 from raymp.trainer import Trainer
-from test_cli import ROOT, raymp
+from helpers.cli import ROOT, raymp
+from helpers.ports import free_port
 
 
 @pytest.fixture
@@ -30,11 +31,7 @@ def listener():
 
 
 def _refused_port() -> str:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()  # nothing listens there now
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{free_port()}"  # nothing listens there
 
 
 def _nothing_left(out_dir) -> None:

@@ -18,20 +18,10 @@ from raymp.checkpoint.store import MARKER, CheckpointError, CheckpointStore, rea
 from raymp.config import ConfigError
 from raymp.runtime.actor_group import ActorGroup, WorkerLostError
 
-STEPS, SAVE_AT = 5, 3
+from helpers.checkpoint_runs import STEPS, run_cfg
+from helpers.ports import free_port
 
-
-def run_cfg(root, cache, ckpt_dir, *, every=0, resume="auto", steps=STEPS, **parallel) -> dict:
-    return {
-        "name": "ckpt", "seed": 5, "output_dir": str(root / "runs"),
-        "model": {"preset": "tiny", "max_seq_len": 64},
-        "parallel": {"dp": 1, "micro_batch_size": 2, **parallel},
-        "train": {"steps": steps, "global_batch_size": 8, "seq_len": 32, "log_every": 1, "eval_batches": 0},
-        "optimizer": {"lr": 1e-2, "warmup_steps": 1, "grad_clip": 1.0},
-        "data": {"source": "kjv", "tokenizer": "byte", "cache_dir": cache},
-        "tracking": {"enabled": False},
-        "checkpoint": {"every": every, "dir": str(ckpt_dir), "resume": resume},
-    }
+SAVE_AT = 3
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +130,7 @@ def test_async_save_is_a_snapshot(tmp_path, writer):
     from raymp.checkpoint.writer_process import close_writer_process
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(_free_port())
+    os.environ["MASTER_PORT"] = str(free_port())
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         checkpointer = RankCheckpointer(0, 1, dist.new_group(backend="gloo"))
@@ -157,14 +147,6 @@ def test_async_save_is_a_snapshot(tmp_path, writer):
     finally:
         close_writer_process()
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_crash_mid_write_leaves_the_previous_checkpoint_loadable(tmp_path, data_cache, group2):

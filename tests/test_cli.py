@@ -9,14 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def raymp(*args, cwd=ROOT, timeout=300):
-    env = {**os.environ, "RAY_ADDRESS": ""}  # never attach to a cluster from the test session
-    return subprocess.run([sys.executable, "-m", "raymp.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-
+from helpers.cli import ROOT, raymp
 
 NOISE = ("WARNING", " INFO ", "Traceback", "Fatal Python error", "Warning:", "SIGABRT")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from raymp.config import ConfigError, config_from_dict
-from test_hf_models import LLAMA, hf_run
-from test_parity_dp import check_parity
+from helpers.hf_cases import LLAMA, hf_run
+from helpers.parity import check_parity
 
 # Inductor fuses the blocks' element-wise ops into other kernels (another summation order): losses
 # stay within the layouts' 1e-5 relative; gradients agree to ~1e-10, but Adam normalises each

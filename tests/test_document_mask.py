@@ -17,28 +17,14 @@ from raymp.models.llama import ModelArgs  # noqa: E402
 from raymp.models.masks import document_ids  # noqa: E402
 from raymp.reference import single_process_val_loss, train_single_process  # noqa: E402
 from raymp.trainer import Trainer  # noqa: E402
-from test_hf_models import FAMILIES, SLIDING, WEIGHT_ATOL, hf_run  # noqa: E402
-from test_parity_dp import LOSS_RTOL, assert_losses_match, assert_weights_match  # noqa: E402
+from helpers.documents import EOT, documents, packed_tokens  # noqa: E402
+from helpers.hf_cases import FAMILIES, SLIDING, WEIGHT_ATOL, hf_run  # noqa: E402
+from helpers.parity import LOSS_RTOL, assert_losses_match, assert_weights_match  # noqa: E402
 
-EOT = 7
 HF_CONFIGS = {
     **FAMILIES,
     **{f"{name}-window8": {**cfg, "sliding_window": 8} for name, cfg in SLIDING.items()},
 }
-
-
-def packed_tokens() -> torch.Tensor:
-    """Two rows of 32 tokens: three documents in the first, two in the second."""
-    tokens = torch.randint(EOT + 1, 256, (2, 32), generator=torch.Generator().manual_seed(0))
-    tokens[0, 5] = tokens[0, 20] = tokens[1, 12] = EOT
-    return tokens
-
-
-def documents(row: torch.Tensor) -> list[tuple[int, int]]:
-    """[start, end) of each document in a row of tokens."""
-    ends = [int(i) + 1 for i in (row == EOT).nonzero().flatten()]
-    bounds = [0, *ends] + ([] if ends and ends[-1] == len(row) else [len(row)])
-    return list(zip(bounds, bounds[1:]))
 
 
 def test_document_ids_close_each_document_at_its_end_of_text():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from faults import kill_rank_after
+from helpers.faults import kill_rank_after
 from raymp import Trainer
 from raymp.elastic import ElasticError
 from raymp.runtime.actor_group import ActorGroup, WorkerLostError

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from faults import (
+from helpers.faults import (
     DAMAGE,
     STEPS,
     Reference,

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from fault_cluster_probe import BOUND_S, SCENARIOS
-from faults import STEPS, Reference, check_against_reference, matrix_cfg
+from helpers.fault_cluster_probe import BOUND_S, SCENARIOS
+from helpers.faults import STEPS, Reference, check_against_reference, matrix_cfg
 
-PROBE = Path(__file__).with_name("fault_cluster_probe.py")
+TESTS = Path(__file__).resolve().parent  # the probe runs as a module of tests/helpers
 # The probe runs in the first test's set-up (~7 min alone, more on a busy machine): its bound is
 # the probe's own, per scenario, not pytest's default for one test.
 pytestmark = pytest.mark.timeout(BOUND_S * len(SCENARIOS) + 60)
@@ -26,7 +26,8 @@ pytestmark = pytest.mark.timeout(BOUND_S * len(SCENARIOS) + 60)
 def results(data_cache, tmp_path_factory):
     out = tmp_path_factory.mktemp("faults") / "results.jsonl"
     env = {**os.environ, "RAY_ADDRESS": ""}
-    proc = subprocess.run([sys.executable, str(PROBE), data_cache, str(out)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "helpers.fault_cluster_probe", data_cache, str(out)], cwd=TESTS,
+                          capture_output=True, text=True,
                           timeout=BOUND_S * len(SCENARIOS), env=env, stdin=subprocess.DEVNULL)
     found = {}
     if out.exists():

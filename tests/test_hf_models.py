@@ -17,25 +17,9 @@ from raymp.models import build_model, model_spec  # noqa: E402
 from raymp.models.hf import HFSpec, export_hf, load_hf_config, to_hf_state_dict  # noqa: E402
 from raymp.reference import train_single_process  # noqa: E402
 from raymp.trainer import Trainer  # noqa: E402
-from test_parity_dp import assert_losses_match, check_parity  # noqa: E402
+from helpers.hf_cases import FAMILIES, GPT2, LLAMA, SLIDING, WEIGHT_ATOL, hf_run  # noqa: E402
+from helpers.parity import assert_losses_match, check_parity  # noqa: E402
 
-LLAMA = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-# Dropout off: parity is exact only without random masks (their RNG differs per layout).
-GPT2 = dict(model_type="gpt2", vocab_size=256, n_embd=64, n_layer=4, n_head=4, n_positions=128,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-FAMILIES = {"llama": LLAMA, "gpt2": GPT2}
-# Sliding windows shorter than the sequences below (32): Mistral slides on every layer, Qwen2 on
-# the layers from max_window_layers on.
-SLIDING = {"mistral": {**LLAMA, "model_type": "mistral", "sliding_window": 16},
-           "qwen2": {**LLAMA, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16,
-                     "max_window_layers": 2}}
-# TP sums partial products in another order than one process; Adam's normalised update turns
-# that into up to a few 1e-4 on a rare near-zero-gradient weight over 5 steps (as for the built-in
-# model; seen here: 1.3e-4 on 1 of 16384 GPT-2 c_fc weights with transformers 5.x earlier, 2.7e-4
-# on 1 of 16384 c_proj weights with 5.24). A weight that missed its updates would be ~1e-2 off
-# (lr 1e-2, 5 steps). Losses are held to 1e-5.
-WEIGHT_ATOL = 5e-4
 
 
 def hf_model(model_dir) -> torch.nn.Module:
@@ -124,13 +108,6 @@ LAYOUTS = {
     "pp2": {"dp": 1, "pp": 2, "micro_batch_size": 1, "schedule": "1f1b"},
     "tp2": {"dp": 1, "tp": 2, "micro_batch_size": 2},
 }
-
-
-def hf_run(tiny_cfg, model: dict, parallel: dict, steps=5, **sections):
-    cfg = tiny_cfg(parallel=parallel, train={"steps": steps, "global_batch_size": 8, "seq_len": 32,
-                                             "log_every": 1}, **sections)
-    cfg["model"] = {"preset": None, **model}  # not merged with the tiny preset's fields
-    return cfg
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

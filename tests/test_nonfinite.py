@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from faults import STEPS, Reference, check_against_reference, matrix_cfg
+from helpers.faults import STEPS, Reference, check_against_reference, matrix_cfg
 from raymp import Trainer
 from raymp.checkpoint.store import CheckpointStore
 from raymp.driver.health import NonFiniteError

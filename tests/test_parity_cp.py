@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from raymp.trainer import Trainer
-from test_parity_dp import check_parity
+from helpers.parity import check_parity
 
 # Attention over the whole sequence is computed for a share of the heads, and the per-token ops
 # on a slice of it: the same sums as one process, regrouped; Adam can turn the rounding of a

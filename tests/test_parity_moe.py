@@ -10,7 +10,7 @@ import torch
 from raymp.config import config_from_dict
 from raymp.reference import train_single_process
 from raymp.trainer import Trainer
-from test_parity_dp import LOSS_RTOL, assert_losses_match, assert_weights_match, run_parallel
+from helpers.parity import LOSS_RTOL, assert_losses_match, assert_weights_match, run_parallel
 
 
 def moe_cfg(tiny_cfg, **parallel):
@@ -68,7 +68,7 @@ def test_moe_eight_actor_layout_matches(group8, tiny_cfg):
 def test_moe_checkpoint_loads_into_another_layout(load_as, tmp_path, data_cache, group2):
     """Saved at dp 2 ZeRO-1, loaded at pp 2 / ZeRO-3: every weight and router bias bit for bit,
     then the same losses and routing as the run that went on."""
-    from test_checkpoint import run_cfg
+    from helpers.checkpoint_runs import run_cfg
 
     def cfg(**kw):
         c = run_cfg(tmp_path, data_cache, tmp_path / "checkpoints", **kw)

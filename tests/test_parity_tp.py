@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from raymp.trainer import Trainer
-from test_parity_dp import check_parity as check_parity_with
+from helpers.parity import check_parity as check_parity_with
 
 
 def layout(tiny_cfg, dp=1, pp=1, tp=2, zero=0, **parallel):

@@ -10,7 +10,7 @@ from concurrent.futures import Future
 import pytest
 import ray
 
-from faults import COPY_TIMEOUT_S, STEPS, Reference, check_against_reference, kill_rank_after, matrix_cfg
+from helpers.faults import COPY_TIMEOUT_S, STEPS, Reference, check_against_reference, kill_rank_after, matrix_cfg
 from helpers.ckpt_workers import HoldsBackPeerCopyWorker
 from raymp import Trainer
 from raymp.checkpoint.in_memory import PeerCopyWriter

@@ -17,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from test_attention_tp import _free_port
+from helpers.ports import free_port  # noqa: E402
 
 # Far above what the test takes when the groups are let go (the point of the test): a rank 1 that
 # waited this long means rank 0 kept them, and its error says "Timed out".
@@ -70,7 +70,7 @@ def _answer(out: str, collective) -> None:
 
 def _peer_freed_at_once(tmp_path, fn, *args) -> None:
     out = tmp_path / "rank1.txt"
-    mp.spawn(fn, args=(_free_port(), str(out), *args), nprocs=2, join=True)
+    mp.spawn(fn, args=(free_port(), str(out), *args), nprocs=2, join=True)
     result = out.read_text()
     assert "Connection" in result and "Timed out" not in result, result[:300]  # closed or reset by peer
 

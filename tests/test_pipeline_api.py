@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from raymp.trainer import Trainer
-from test_cli import raymp
+from helpers.cli import raymp
 
 
 def test_pipeline_metrics_timeline_and_mlflow_artifacts(group2, tiny_cfg, tmp_path):

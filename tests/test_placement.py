@@ -18,7 +18,7 @@ from raymp.trainer import Trainer
 
 def test_tp_groups_pack_per_node_on_a_simulated_gpu_cluster():
     env = {**os.environ, "RAY_ADDRESS": ""}
-    out = subprocess.run([sys.executable, str(Path(__file__).with_name("placement_probe.py"))],
+    out = subprocess.run([sys.executable, "-m", "helpers.placement_probe"], cwd=Path(__file__).resolve().parent,
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])

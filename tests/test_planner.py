@@ -11,7 +11,7 @@ from raymp.models import model_args
 from raymp.planner import estimate, explain, plan, zero_model_states
 from raymp.step_time import Cluster, calibrate_cost_factors, cluster_from_config, step_seconds
 from raymp.trainer import Trainer
-from test_cli import raymp
+from helpers.cli import raymp
 
 GB = 1e9
 

@@ -3,7 +3,6 @@ counted calls, not time. One in-process Worker on a one-rank gloo group, no Ray.
 
 from __future__ import annotations
 
-import socket
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ from raymp.parallel.pipeline import ActivationMeter
 from raymp.parallel.zero import DataParallelEngine
 from raymp.runtime.report import measures_memory
 from raymp.runtime.worker import Worker
+from helpers.ports import free_port
 
 
 class _Batches:
@@ -32,10 +32,7 @@ class _Batches:
 @pytest.fixture(scope="module")
 def worker():
     w = Worker(1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    w.init_distributed(0, 1, "127.0.0.1", port, "gloo", 60)
+    w.init_distributed(0, 1, "127.0.0.1", free_port(), "gloo", 60)
     yield w
     w.shutdown()
 

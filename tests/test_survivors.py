@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from faults import STEPS, Reference, check_against_reference, kill_rank_after, matrix_cfg
+from helpers.faults import STEPS, Reference, check_against_reference, kill_rank_after, matrix_cfg
 from raymp import Trainer
 from raymp.config import ConfigError, config_from_dict
 

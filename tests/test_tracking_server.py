@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,14 +18,9 @@ import pytest
 
 from raymp import Trainer
 from raymp.cli import main
+from helpers.ports import free_port
 
 BIN = Path(sys.executable).parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(url: str, endpoint: str, **query) -> dict:
@@ -37,7 +31,7 @@ def get(url: str, endpoint: str, **query) -> dict:
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow-server")
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [
             str(BIN / "mlflow"),
@@ -191,8 +185,7 @@ def test_a_killed_run_is_resumed_by_run_id(mlflow_server, two_runs, group2, data
 def test_ui_screenshot_compares_the_runs(mlflow_server, two_runs, tmp_path):
     """scripts/mlflow_ui_screenshot.py against the server: the chart-compare view of the
     experiment renders its charts (it waits for them), and the rendered page names both runs."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    from mlflow_ui_screenshot import find_browser, rendered_charts, shoot
+    from scripts.mlflow_ui_screenshot import find_browser, rendered_charts, shoot  # `python -m pytest` from the root
 
     if find_browser() is None:
         pytest.skip("Chromium is not installed (Debian: apt-get install -y chromium)")

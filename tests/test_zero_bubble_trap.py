@@ -13,7 +13,7 @@ from raymp.config import config_from_dict
 from raymp.reference import single_process_gradients
 from raymp.runtime.actor_group import ActorGroup
 from raymp.runtime.worker import Worker
-from test_parity_pp import assert_gradients_match, pipeline_gradients, pp_cfg
+from helpers.pipeline_cases import assert_gradients_match, pipeline_gradients, pp_cfg
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # so actors can load this class
 

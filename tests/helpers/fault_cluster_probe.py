@@ -5,8 +5,8 @@ runs in a background thread, and every fault waits on an event of the run (a ste
 flight, a group placed), never on a clock. Each scenario's result goes to OUT as one JSON line
 when it ends; a scenario past its bound is recorded as hung and ends the probe.
 
-    python fault_cluster_probe.py DATA_CACHE OUT [SCENARIO ...]
-    python fault_cluster_probe.py --driver CONFIG_JSON HISTORY_JSONL   (one driver, for SIGKILL)
+    python -m helpers.fault_cluster_probe DATA_CACHE OUT [SCENARIO ...]    (in tests/)
+    python -m helpers.fault_cluster_probe --driver CONFIG_JSON HISTORY_JSONL   (one driver, for SIGKILL)
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ from pathlib import Path
 
 import ray
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import faults  # noqa: E402
-from faults import Hung, matrix_cfg  # noqa: E402
+from raymp import Trainer
+from raymp.runtime.simulated_cluster import SimulatedCluster
+from raymp.runtime.worker import Worker
 
-from raymp import Trainer  # noqa: E402
-from raymp.runtime.simulated_cluster import SimulatedCluster  # noqa: E402
-from raymp.runtime.worker import Worker  # noqa: E402
+from helpers import faults
+from helpers.faults import Hung, matrix_cfg
+
+TESTS = Path(__file__).resolve().parents[1]  # the probe runs as `python -m helpers.fault_cluster_probe` there
 
 BOUND_S = 240  # per scenario: past this it counts as hung
 
@@ -439,13 +440,13 @@ def _driver_killed(probe, root):
     cfg_path, history = Path(root, "cfg.json"), Path(root, "history.jsonl")
     cfg_path.write_text(json.dumps(cfg))
     env = {**os.environ, "RAY_ADDRESS": probe.address}
-    cmd = [sys.executable, __file__, "--driver", str(cfg_path), str(history)]
-    first = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    cmd = [sys.executable, "-m", "helpers.fault_cluster_probe", "--driver", str(cfg_path), str(history)]
+    first = subprocess.Popen(cmd, cwd=TESTS, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     committed = Path(cfg["checkpoint"]["dir"], "step-00000004", "raymp.json")
     wait_until(lambda: committed.exists() or first.poll() is not None, "the checkpoint of step 4")
     first.send_signal(signal.SIGKILL)
     first.wait()
-    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=BOUND_S)
+    second = subprocess.run(cmd, cwd=TESTS, env=env, capture_output=True, text=True, timeout=BOUND_S)
     lines = [json.loads(line) for line in history.read_text().splitlines()]
     final = {}
     for m in lines:  # the rerun's steps replace the killed driver's
