@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 import yaml
@@ -158,8 +159,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raymp: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("raymp: stopped (interrupt or SIGTERM); the MLflow run is marked KILLED", file=sys.stderr)
-        return 130
+        from raymp.driver.stopping import exit_status
+
+        status = exit_status()
+        print(f"raymp: stopped by {signal.Signals(status - 128).name}; the MLflow run is marked KILLED", file=sys.stderr)
+        return status
 
 
 def _sweep(args) -> int:

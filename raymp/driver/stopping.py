@@ -38,13 +38,25 @@ def stop_on_signals() -> None:
     flight is committed, the MLflow run marked KILLED, the actors released. Call it after Ray is
     connected: ray.init puts in its own SIGTERM handler, which would end the driver mid-step.
 
-    SIGINT gets Python's own handler back even where the process started with it ignored: a
+    SIGINT gets a handler (Python's own behaviour) even where the process started with it ignored: a
     command started in the background by a non-interactive shell (`raymp train ... &` in a script,
     CI) inherits SIGINT ignored, and Python then leaves it so, which made `kill -INT` and Ctrl-C do
     nothing and the run train to its end."""
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for s in STOP_SIGNALS:
+        signal.signal(s, _raise_interrupt)
+
+
+# The signal that stopped this process (stop_on_signals' handler records it): libraries between the
+# handler and the command (Ray Tune's fit) may raise a KeyboardInterrupt of their own in its place.
+_stopped_by: int = signal.SIGINT
+
+
+def exit_status() -> int:
+    """The shell's status for a process ended by the stop's signal (130 for SIGINT, 143 for SIGTERM)."""
+    return 128 + _stopped_by
 
 
 def _raise_interrupt(signum, frame):
+    global _stopped_by
+    _stopped_by = signum
     raise KeyboardInterrupt
