@@ -35,7 +35,7 @@ class ActorGroup:
 
     def __init__(self, world_size: int, device: str = "cpu", cpus_per_actor: float = 1,
                  placement_timeout_s: float = 120, collective_timeout_s: float = 300,
-                 worker_cls: type = Worker, tp_size: int = 1, rendezvous_timeout_s: float = 120,
+                 worker_cls: type = Worker, tp_size: int = 1, rendezvous_timeout_s: float = 300,
                  on_event=None):
         """`on_event(name, info)`, if given, is called once the placement groups are ready
         ("placed", with the node of every rank's bundle), before any actor starts: tests use it
