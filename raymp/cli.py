@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 
 import yaml
@@ -159,11 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raymp: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        from raymp.driver.stopping import exit_status
+        from raymp.driver.stopping import stop_signal
 
-        status = exit_status()
-        print(f"raymp: stopped by {signal.Signals(status - 128).name}; the MLflow run is marked KILLED", file=sys.stderr)
-        return status
+        stopped_by = stop_signal()
+        print(f"raymp: stopped by {stopped_by.name}; the MLflow run is marked KILLED", file=sys.stderr)
+        return 128 + stopped_by  # as a shell reports a process its signal ended: 130 SIGINT, 143 SIGTERM
 
 
 def _sweep(args) -> int:

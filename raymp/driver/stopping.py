@@ -51,9 +51,9 @@ def stop_on_signals() -> None:
 _stopped_by: int = signal.SIGINT
 
 
-def exit_status() -> int:
-    """The shell's status for a process ended by the stop's signal (130 for SIGINT, 143 for SIGTERM)."""
-    return 128 + _stopped_by
+def stop_signal() -> signal.Signals:
+    """The signal that stopped this process (SIGINT where none was recorded)."""
+    return signal.Signals(_stopped_by)
 
 
 def _raise_interrupt(signum, frame):

@@ -12,6 +12,7 @@ import time
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raymp.config import ResourcesConfig
 from raymp.runtime.peer_loss import is_peer_loss
 from raymp.runtime.placement import Placement, PlacementError
 from raymp.runtime.worker import Worker
@@ -29,13 +30,20 @@ class WorkerLostError(RuntimeError):
         self.rank, self.kind, self.step = rank, kind, step
 
 
+# The bounds' defaults are the config's (resources.*): one authority for each.
+_DEFAULT = ResourcesConfig.model_fields
+
+
 class ActorGroup:
     """One Worker actor per rank, in the bundles of raymp.runtime.placement (a TP group on one
     node), joined into one torch process group."""
 
-    def __init__(self, world_size: int, device: str = "cpu", cpus_per_actor: float = 1,
-                 placement_timeout_s: float = 120, collective_timeout_s: float = 300,
-                 worker_cls: type = Worker, tp_size: int = 1, rendezvous_timeout_s: float = 300,
+    def __init__(self, world_size: int, device: str = "cpu",
+                 cpus_per_actor: float = _DEFAULT["cpus_per_actor"].default,
+                 placement_timeout_s: float = _DEFAULT["placement_timeout_s"].default,
+                 collective_timeout_s: float = _DEFAULT["collective_timeout_s"].default,
+                 worker_cls: type = Worker, tp_size: int = 1,
+                 rendezvous_timeout_s: float = _DEFAULT["rendezvous_timeout_s"].default,
                  on_event=None):
         """`on_event(name, info)`, if given, is called once the placement groups are ready
         ("placed", with the node of every rank's bundle), before any actor starts: tests use it
