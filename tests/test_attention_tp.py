@@ -38,11 +38,11 @@ def _tp2_logits(rank: int, port: int, hf_config: dict, sequence_parallel: bool, 
                       "documents": model(tokens, document_ids=document_ids(tokens, EOT)).full_tensor()}
         if rank == 0:
             torch.save(logits, out)
+        # Both ranks done before either tears gloo down: once in CI, rank 1 closing its pairs while
+        # rank 0 was still finishing the last gather aborted rank 1 (std::terminate in gloo).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
-
-
-
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])

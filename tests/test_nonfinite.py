@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from helpers.faults import STEPS, Reference, check_against_reference, matrix_cfg
+from helpers.ports import free_port
 from raymp import Trainer
 from raymp.checkpoint.store import CheckpointStore
 from raymp.driver.health import NonFiniteError
@@ -112,18 +113,14 @@ def test_a_checkpoint_of_nonfinite_state_is_never_committed(tmp_path):
     """The ranks check what they wrote in the background: a NaN in the state makes the save
     fail, so the driver never commits it (CheckpointCoordinator.collect)."""
     import os
-    import socket
 
     import torch
     import torch.distributed as dist
 
     from raymp.checkpoint.rank_state import RankCheckpointer, host_copy
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
+    os.environ["MASTER_PORT"] = str(free_port())
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         checkpointer = RankCheckpointer(0, 1, dist.new_group(backend="gloo"))
