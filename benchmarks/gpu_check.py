@@ -18,7 +18,7 @@ and last loss. A run that fails is a row with its error, not the end of the chec
 (--budget-s) skips what would not fit. Writes a "GPU check" section into BENCHMARKS.md
 (replacing an earlier one) and prints it. The parts that need no GPU (arguments, the peak
 lookup, MFU arithmetic, the guardrail, the section text) are tested on CPU in
-tests/test_gpu_check.py.
+tests/unit/test_gpu_check.py.
 """
 
 from __future__ import annotations

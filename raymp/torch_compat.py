@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-# The torch releases these APIs are checked against (pyproject.toml's range; tests/test_torch_compat.py).
+# The torch releases these APIs are checked against (pyproject.toml's range; tests/unit/test_torch_compat.py).
 SUPPORTED_TORCH = ((2, 8), (3, 0))
 
 

@@ -9,24 +9,26 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-# Tiers (`pytest -m unit`, `-m integration`, `-m system`). System tests drive raymp from outside:
-# subprocesses (the CLI, `ray job submit`, a notebook kernel, an MLflow server, a browser) or
-# simulated multi-node clusters. Integration tests use the session's Ray and its actors. Unit
-# tests use neither.
-SYSTEM = {"test_cli", "test_job_submit", "test_notebook", "test_tracking_server", "test_placement",
-          "test_fault_matrix_cluster", "test_benchmark_peers"}
+# Tiers: a test's folder is its tier and its marker (`pytest tests/unit` is `pytest -m unit`).
+# unit/ uses no Ray. integration/ uses the session's Ray and its actors (the fixtures below).
+# system/ drives raymp from outside: subprocesses (the CLI, `ray job submit`, a notebook kernel, an
+# MLflow server, a browser) or simulated multi-node clusters.
+TIERS = ("unit", "integration", "system")
 RAY_FIXTURES = {"ray_local", "data_cache", "group2", "group4", "group8", "tiny_cfg"}
 
 
 def pytest_collection_modifyitems(config, items):
+    misplaced = []
     for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1]
-        if module in SYSTEM or item.get_closest_marker("system"):
-            item.add_marker(pytest.mark.system)
-        elif RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.integration)
+        tier = item.path.parent.name
+        uses_ray = bool(RAY_FIXTURES & set(getattr(item, "fixturenames", ())))
+        if tier not in TIERS or (tier == "unit" and uses_ray) or (tier == "integration" and not uses_ray):
+            misplaced.append(f"{item.nodeid} (uses the session's Ray: {uses_ray})")
         else:
-            item.add_marker(pytest.mark.unit)
+            item.add_marker(getattr(pytest.mark, tier))
+    if misplaced:
+        raise pytest.UsageError("tests outside the folder of their tier (tests/unit: no Ray; "
+                                "tests/integration: the session's Ray): " + ", ".join(misplaced))
 
 
 @pytest.fixture(scope="session")

@@ -55,7 +55,7 @@ class MoEArgs:
 def uses_grouped_mm(x: torch.Tensor) -> bool:
     """The one rule for how experts multiply: torch's grouped GEMM where this build runs it for
     x's device and dtype (CPU: any float; CUDA: bf16 on compute capability 8.0+), else one
-    matmul per expert. Both give the same numbers (tests/test_moe.py)."""
+    matmul per expert. Both give the same numbers (tests/unit/test_moe.py)."""
     if not hasattr(F, "grouped_mm"):
         return False
     if x.device.type == "cpu":

@@ -64,7 +64,7 @@ class GroupSockets:
     shutdown() leave them open and wake no waiting op), so a peer inside a collective with this
     rank waited out the whole timeout. Measured in two gloo processes, one raising in its second
     forward: with FSDP2 (4 of 4 parameter groups alive after a full collection) and with TP the
-    peer waited 20 s of 20; with the sockets shut down it failed at once (tests/test_peer_loss.py).
+    peer waited 20 s of 20; with the sockets shut down it failed at once (tests/unit/test_peer_loss.py).
     An exit does the same for a process; torchft runs gloo in a child process it can kill for
     this reason. Sockets are found in /proc/self/fd (Linux; elsewhere none are tracked), and one
     is shut down only if its descriptor still names the same socket (inode): never a socket

@@ -14,3 +14,8 @@ def raymp(*args, cwd=ROOT, timeout=300):
     env = {**os.environ, "RAY_ADDRESS": ""}  # never attach to a cluster from the test session
     return subprocess.run([sys.executable, "-m", "raymp.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def assert_nothing_left(out_dir) -> None:
+    """A refused run leaves no run directory, config.yaml or MLflow database behind."""
+    assert not out_dir.exists() or not any(out_dir.iterdir()), list(out_dir.iterdir())

@@ -1,4 +1,4 @@
-"""Run by test_fault_matrix_cluster.py in its own process (a simulated cluster needs a Ray of its
+"""Run by system/test_fault_matrix_cluster.py in its own process (a simulated cluster needs a Ray of its
 own): node-loss scenarios, one after another on one cluster whose worker nodes are set up anew
 for each. Nodes are removed and added on the main thread (cluster_utils wants that), so training
 runs in a background thread, and every fault waits on an event of the run (a step done, a save in

@@ -3,6 +3,8 @@ the layout tests train them with."""
 
 from __future__ import annotations
 
+import torch
+
 LLAMA = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 # Dropout off: parity is exact only without random masks (their RNG differs per layout).
@@ -20,6 +22,36 @@ SLIDING = {"mistral": {**LLAMA, "model_type": "mistral", "sliding_window": 16},
 # on 1 of 16384 c_proj weights with 5.24). A weight that missed its updates would be ~1e-2 off
 # (lr 1e-2, 5 steps). Losses are held to 1e-5.
 WEIGHT_ATOL = 5e-4
+# Three MoE families at the tiny size: top-2 of 4 experts; Qwen2-MoE adds a shared expert.
+_MOE_BASE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+
+MOE_FAMILIES = {
+    "mixtral": dict(_MOE_BASE, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(
+        _MOE_BASE,
+        model_type="qwen2_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+    ),
+    "qwen3_moe": dict(
+        _MOE_BASE,
+        model_type="qwen3_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        head_dim=16,
+    ),
+}
 
 
 def hf_run(tiny_cfg, model: dict, parallel: dict, steps=5, **sections):
@@ -27,3 +59,15 @@ def hf_run(tiny_cfg, model: dict, parallel: dict, steps=5, **sections):
                                              "log_every": 1}, **sections)
     cfg["model"] = {"preset": None, **model}  # not merged with the tiny preset's fields
     return cfg
+
+
+def hf_model(model_dir) -> torch.nn.Module:
+    """transformers' own model from an exported directory, to compare raymp's logits against."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    return model.eval()
+
+
+def tokens(batch=2, seq=16, seed=0):
+    return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))

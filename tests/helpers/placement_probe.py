@@ -1,4 +1,4 @@
-"""Run by test_placement.py in its own process (it needs its own Ray cluster): a simulated
+"""Run by system/test_placement.py in its own process (it needs its own Ray cluster): a simulated
 cluster of two nodes with 2 fake GPUs each, actors placed for tensor-parallel layouts, and where
 each one landed printed as JSON. Workers skip the process group: only placement is probed."""
 

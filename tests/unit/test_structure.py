@@ -3,9 +3,8 @@ table generated, not typed."""
 
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers.cli import ROOT
 
 
 def test_no_import_cycle_no_stray_local_import_and_the_design_size_table_is_current():

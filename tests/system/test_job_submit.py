@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from helpers.ports import free_port
+from helpers.cli import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 

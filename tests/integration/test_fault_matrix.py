@@ -3,7 +3,7 @@ test (every step once, its loss within 1e-5 of one process, its samples the glob
 finishing within its stated bound (the timeout mark; none may hang).
 
 This module covers storage, lineage, tracking and the bounded waits on the session's Ray (an
-actor killed with ray.kill is the fault); test_fault_matrix_cluster.py covers node loss on a
+actor killed with ray.kill is the fault); system/test_fault_matrix_cluster.py covers node loss on a
 simulated multi-node cluster.
 """
 
@@ -48,9 +48,6 @@ def saved(data_cache, tmp_path_factory, group2):
         history = t.fit(SAVED_UP_TO)
     assert [c.step for c in CheckpointStore(str(root / "checkpoints")).committed()] == [2, 4, 6]
     return {"root": root, "dir": root / "checkpoints", "history": history}
-
-
-# -- damaged checkpoints -----------------------------------------------------------------------
 
 
 @pytest.mark.timeout(240)
@@ -142,9 +139,6 @@ def test_pruning_never_deletes_an_intact_checkpoint_while_keeping_a_damaged_one(
     assert kept == ["step-00000008", "step-00000010"], kept
 
 
-# -- storage that fails --------------------------------------------------------------------------
-
-
 @pytest.mark.timeout(120)
 def test_read_only_checkpoint_dir_fails_before_any_actor_starts(data_cache, tmp_path):
     ckpt = tmp_path / "readonly"
@@ -232,9 +226,6 @@ def test_storage_slower_than_write_timeout_gives_the_save_up(data_cache, tmp_pat
         group.shutdown()
     check_against_reference(history, ref, range(STEPS))
     assert "still writing after 1s (checkpoint.write_timeout_s)" in capsys.readouterr().out
-
-
-# -- stopping keeps the save in flight ------------------------------------------------------------
 
 
 def _signal_after(trainer, steps: int, signum: int) -> None:
@@ -392,9 +383,6 @@ def test_second_sigterm_while_committing_is_held_and_a_slow_write_is_waited_for(
     _resume_matches_reference(cfg, group2, done, ref)
 
 
-# -- lineage: what a restart resumes from ---------------------------------------------------------
-
-
 @pytest.mark.timeout(300)
 def test_warm_start_then_a_failure_before_the_first_save_resumes_from_the_source(
     saved, ref, data_cache, tmp_path
@@ -432,21 +420,6 @@ def test_rewind_then_a_failure_never_loads_the_abandoned_timeline(saved, ref, da
     kept = sorted(p.name for p in ckpt.iterdir())
     aside = [p for p in kept if p.startswith("abandoned-")]
     assert len(aside) == 1 and sorted(os.listdir(ckpt / aside[0])) == ["step-00000004", "step-00000006"]
-
-
-@pytest.mark.timeout(60)
-def test_rewind_into_a_dir_with_a_damaged_newer_checkpoint_is_still_a_rewind(tmp_path):
-    """No Ray: the lineage alone. A damaged checkpoint of the abandoned timeline is not another
-    run's, and never a candidate."""
-    from raymp.checkpoint.lineage import Lineage
-
-    store = CheckpointStore(str(tmp_path / "ck"))
-    for step in (2, 4):
-        store.prepare(step)
-        store.commit(step, {"data_position": {}})
-    DAMAGE["half-written marker"](tmp_path / "ck" / "step-00000004")
-    lineage = Lineage.open(store, f"{tmp_path}/ck/step-00000002")
-    assert lineage.rewound_from == 2 and [c.step for c in lineage.candidates()] == [2]
 
 
 @pytest.mark.timeout(300)
@@ -568,9 +541,6 @@ def test_a_stopped_rank_is_caught_by_the_automatic_step_deadline_and_the_run_rec
     assert event["resumed_step"] in (2, 4) and event["recovery"] == "restart"
 
 
-# -- MLflow after restarts ------------------------------------------------------------------------
-
-
 @pytest.mark.timeout(400)
 def test_mlflow_records_each_step_once_and_numbers_restarts_across_drivers(ref, data_cache, tmp_path):
     from mlflow.tracking import MlflowClient
@@ -608,9 +578,6 @@ def test_mlflow_records_each_step_once_and_numbers_restarts_across_drivers(ref, 
     assert run.data.tags["raymp.restarts"] == "2"
     first_event = json.loads(Path(client.download_artifacts(run_id, "events/restart-1.json")).read_text())
     assert first_event["restart_s"] == pytest.approx(restart_s) and first_event["attempts"] == 1
-
-
-# -- every wait is bounded, and its error names the knob ----------------------------------------
 
 
 @pytest.mark.timeout(120)

@@ -5,15 +5,13 @@ module of raymp reaches into a private torch name."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from raymp import torch_compat as compat
-
-ROOT = Path(__file__).resolve().parent.parent
+from helpers.cli import ROOT
 
 
 def test_installed_torch_is_in_the_stated_range_which_is_the_packages():

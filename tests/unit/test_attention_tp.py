@@ -4,7 +4,6 @@ transformers' own logits. Two gloo processes, no Ray."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.multiprocessing as mp

@@ -4,12 +4,11 @@ outputs hold the loss plot, the pipeline timeline and the layout table."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers.cli import ROOT
 
 
 def test_example_notebook_executes(tmp_path):

@@ -5,7 +5,6 @@ against the planner (each must fit its own cluster section)."""
 from __future__ import annotations
 
 import re
-
 import json
 from pathlib import Path
 
@@ -19,10 +18,12 @@ from raymp.models import model_args
 from raymp.layout import Layout
 from raymp.planner import estimate
 from raymp.step_time import cluster_from_config
+from helpers.cli import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 LAUNCHER = sorted((ROOT / "cluster" / "launcher").glob("*.yaml"))
+
 STOP_WAIT_S = 60  # cluster/README.md: what the shipped cluster configs give `ray job stop`
+
 GPU_CONFIGS = ["gpt2-124m-8gpu.yaml", "llama-8b-2x8.yaml", "llama-70b-8x8.yaml"]
 
 

@@ -7,18 +7,18 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from raymp.runtime.actor_group import PlacementError
 from raymp.runtime.simulated_cluster import OBJECT_STORE_BYTES
 from raymp.trainer import Trainer
+from helpers.cli import ROOT
 
 
 def test_tp_groups_pack_per_node_on_a_simulated_gpu_cluster():
     env = {**os.environ, "RAY_ADDRESS": ""}
-    out = subprocess.run([sys.executable, "-m", "helpers.placement_probe"], cwd=Path(__file__).resolve().parent,
+    out = subprocess.run([sys.executable, "-m", "helpers.placement_probe"], cwd=ROOT / "tests",
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])

@@ -3,13 +3,12 @@ one message that names the field."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from raymp.config import ConfigError, config_from_dict, load_config, parse_override, resolved_dict
+from helpers.cli import ROOT
 
-CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from raymp.config import ConfigError, config_from_dict
 from helpers.hf_cases import LLAMA, hf_run
 from helpers.parity import check_parity
 
@@ -43,29 +42,3 @@ def test_compiled_hugging_face_llama_under_tp2_matches_eager(group2, tiny_cfg):
     cfg = hf_run(tiny_cfg, {"hf_config": LLAMA}, {"dp": 1, "tp": 2, "micro_batch_size": 2})
     cfg["train"]["compile"] = True
     check_parity(cfg, group2, weight_atol=2e-4)
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize(
-    "parallel, model, match",
-    [
-        (
-            {"tp": 2, "sequence_parallel": True},
-            {},
-            "train.compile with parallel.sequence_parallel is not supported",
-        ),
-        (
-            {"tp": 2},
-            {
-                "preset": None,
-                "factory": "helpers.custom_model:build",
-                "factory_tp_plan": "helpers.custom_model:tp_plan",
-            },
-            "train.compile with a model.factory module under parallel.tp > 1",
-        ),
-    ],
-)
-def test_combinations_compile_gets_wrong_are_refused(parallel, model, match):
-    with pytest.raises(ConfigError, match=match):
-        config_from_dict({"parallel": {"micro_batch_size": 2, **parallel}, "model": model,
-                          "train": {"compile": True, "global_batch_size": 8}})

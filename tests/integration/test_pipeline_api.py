@@ -53,8 +53,3 @@ def test_timeline_command(tmp_path, data_cache):
     assert "bubble" in out.stdout and "theory" in out.stdout
     assert (tmp_path / "tl" / "timeline.png").is_file() and (tmp_path / "tl" / "timeline.json").is_file()
     assert not (tmp_path / "mlflow.db").exists()  # a look, not a tracked run
-
-
-def test_timeline_command_needs_a_pipeline():
-    out = raymp("timeline", "configs/tiny.yaml")
-    assert out.returncode == 2 and "parallel.pp > 1" in out.stderr and "Traceback" not in out.stderr

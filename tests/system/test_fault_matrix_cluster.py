@@ -9,14 +9,15 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from helpers.fault_cluster_probe import BOUND_S, SCENARIOS
 from helpers.faults import STEPS, Reference, check_against_reference, matrix_cfg
+from helpers.cli import ROOT
 
-TESTS = Path(__file__).resolve().parent  # the probe runs as a module of tests/helpers
+TESTS = ROOT / "tests"  # the probe runs as a module of tests/helpers
+
 # The probe runs in the first test's set-up (~7 min alone, more on a busy machine): its bound is
 # the probe's own, per scenario, not pytest's default for one test.
 pytestmark = pytest.mark.timeout(BOUND_S * len(SCENARIOS) + 60)

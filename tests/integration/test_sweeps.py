@@ -1,122 +1,16 @@
-"""Sweeps on Ray Tune (raymp.sweeps): the sweep file's checks before any trial starts, and sweeps
-of the tiny model on the session's Ray whose trials are checked in MLflow: parameters, statuses,
-the stop reason of the trials ASHA stopped, the best trial, and a trial killed mid-way that goes
-on from its checkpoint with the loss curve of one that was not."""
+"""Sweeps of the tiny model on the session's Ray whose trials are checked in MLflow: parameters,
+statuses, the stop reason of the trials ASHA stopped, the best trial, a trial killed mid-way that
+goes on from its checkpoint with the loss curve of one that was not, a rank lost inside a trial,
+the layout search, and Optuna."""
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
 
-from raymp.config import ConfigError, load_config
-from raymp.sweeps import SweepResult, SweepSpec, Trial, load_sweep, sweep
-from raymp.sweeps.run import concurrency, search_space
-from raymp.sweeps.spec import check_spec, spec_from_dict
-
-BASE = "configs/tiny.yaml"
-
-
-def _spec(**fields) -> SweepSpec:
-    return spec_from_dict({"space": {"optimizer.lr": {"grid": [1e-3, 3e-3]}}, **fields})
-
-
-@pytest.mark.parametrize(
-    "fields, words",
-    [
-        (
-            {"space": {"optimizer.nope": {"grid": [1]}}},
-            ["sweep space: optimizer.nope=1 is refused", "unknown key"],
-        ),
-        ({"space": {"parallel.zero": {"grid": [0, 5]}}}, ["parallel.zero=5 is refused", "0, 1, 2 or 3"]),
-        ({"space": {"optimizer.lr": {"loguniform": [1e-4, -1.0]}}}, ["low < high"]),
-        # each value alone is taken, one combination is not: 48 sequences over dp=4 x 8 per micro-batch
-        (
-            {"space": {"parallel.dp": {"grid": [2, 4]}, "train.global_batch_size": {"grid": [32, 48]}}},
-            ["parallel.dp=4, train.global_batch_size=48 is refused", "must be divisible"],
-        ),
-        ({"metric": "accuracy"}, ["metric 'accuracy'", "loss"]),
-        ({"asha": {"grace_period": 500}}, ["grace_period (500)", "train.steps (60)"]),
-    ],
-)
-def test_a_bad_search_is_one_line_before_any_trial(fields, words):
-    with pytest.raises(ConfigError) as err:
-        check_spec(spec_from_dict({"space": {"optimizer.lr": {"grid": [1e-3]}}, **fields}), load_config(BASE))
-    assert "\n" not in str(err.value)
-    for w in words:
-        assert w in str(err.value), str(err.value)
-
-
-@pytest.mark.parametrize(
-    "fields, words",
-    [
-        ({"space": {}}, ["space is empty"]),
-        ({"space": {"optimizer.lr": {"grid": [1], "choice": [2]}}}, ["exactly one of"]),
-        ({"space": {"optimizer.lr": {"loguniform": [0, 1]}}}, ["low must be > 0"]),
-        ({"space": {"optimizer.lr": {"uniform": [2, 1]}}}, ["low < high"]),
-        ({"spaec": {}}, ["spaec", "not a sweep field"]),
-        (
-            {"search": "optuna", "space": {"parallel.zero": {"grid": [0, 2]}}},
-            ["space.parallel.zero.grid", "use choice"],
-        ),
-        ({"search": "hyperopt"}, ["search", "'random' or 'optuna'"]),
-    ],
-)
-def test_a_malformed_sweep_names_the_field(fields, words):
-    with pytest.raises(ConfigError) as err:
-        spec_from_dict({"space": {"optimizer.lr": {"grid": [1e-3]}}, **fields} if "space" not in fields
-                       else fields)
-    for w in words:
-        assert w in str(err.value), str(err.value)
-
-
-def test_sweep_files(tmp_path):
-    (tmp_path / "s.yaml").write_text("base: ../nowhere.yaml\nspace: {optimizer.lr: {grid: [0.001]}}\n")
-    with pytest.raises(ConfigError, match="not found"):
-        load_sweep(tmp_path / "s.yaml")
-    (tmp_path / "bad.yaml").write_text("space: [\n")
-    with pytest.raises(ConfigError, match="not valid YAML"):
-        load_sweep(tmp_path / "bad.yaml")
-    (tmp_path / "nobase.yaml").write_text("space: {optimizer.lr: {grid: [0.001]}}\n")
-    with pytest.raises(ConfigError, match="base: give the run config"):
-        load_sweep(tmp_path / "nobase.yaml")
-    spec, cfg = load_sweep("configs/sweeps/tiny-lr.yaml", ["train.steps=30"])
-    assert cfg.name == "tiny" and cfg.train.steps == 30 and spec.trials() == 4
-
-
-def test_concurrency_is_what_the_cluster_holds():
-    cfg = load_config(BASE)  # dp=2: 2 actors + 1 CPU for data + the trial's sliver
-    assert concurrency(_spec(), cfg, None) == 1  # a local Ray the sweep starts: one at a time
-    assert concurrency(_spec(), cfg, 10) == 3
-    assert concurrency(_spec(max_concurrent=2), cfg, 10) == 2
-    with pytest.raises(ConfigError, match="max_concurrent=4 .* at most 3"):
-        concurrency(_spec(max_concurrent=4), cfg, 10)
-    with pytest.raises(ConfigError, match="one trial needs"):
-        concurrency(_spec(), cfg, 2)
-
-
-def test_search_space_in_tunes_terms():
-    space = search_space(spec_from_dict({"space": {
-        "optimizer.lr": {"loguniform": [1e-4, 1e-2]}, "parallel.zero": {"grid": [0, 2]},
-        "seed": {"randint": [1, 3]}, "optimizer.weight_decay": {"choice": [0.0, 0.1]}}}))
-    assert space["parallel.zero"] == {"grid_search": [0, 2]}
-    assert 1e-4 <= space["optimizer.lr"].sample() <= 1e-2
-    assert {space["seed"].sample() for _ in range(200)} == {1, 2, 3}  # both ends included
-    assert space["optimizer.weight_decay"].sample() in (0.0, 0.1)
-
-
-def test_best_trial_skips_trials_without_a_value():
-    trials = [
-        Trial("a", {"x": 1}, 3.0, 5, "completed", "r1"),
-        Trial("b", {"x": 2}, None, 0, "failed", "", "boom"),
-        Trial("c", {"x": 3}, math.nan, 2, "stopped early", "r3"),
-        Trial("d", {"x": 4}, 2.5, 4, "stopped early", "r4"),
-    ]
-    assert SweepResult("s", "loss", "min", trials, None).best.trial_id == "d"
-    result = SweepResult("s", "loss", "max", trials, None)
-    assert result.best.trial_id == "a" and "completed (best)" in result.table()
+from raymp.sweeps import sweep
 
 
 def _sweep_base(tiny_cfg, **train) -> dict:
