@@ -24,10 +24,10 @@ KILL_AFTER, EVERY, STEPS = 6, 4, 14
 SURVIVORS = {"keep_survivors": True, "grow_back": False}
 
 RAYMP_MODES = {  # row -> (elastic section, both ranks on one node, a replacement node added at the loss)
-    "raymp restart": ({}, True, True),
+    "raymp restart": ({"keep_survivors": False}, True, True),
     # the same restart, but each rank's part of the state is also kept in the object store on the
     # other node after every step (elastic.peer_copy_every): the restart loads that, not the checkpoint
-    "raymp peer-memory restore": ({"peer_copy_every": 1}, True, True),
+    "raymp peer-memory restore": ({"peer_copy_every": 1, "keep_survivors": False}, True, True),
     "raymp keep_survivors": (SURVIVORS, False, True),
     # the same without the replacement node: its raylet and idle workers start on this machine's two
     # cores, beside the survivor's recovery; on a real cluster they boot on another machine

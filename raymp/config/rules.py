@@ -50,7 +50,7 @@ def check_run(cfg) -> None:
         )
     if cfg.elastic.keep_survivors and not survivors_keep_state(
         p.zero, p.layout.state_replicas, cfg.elastic.peer_copy_every
-    ):
+    ):  # asked for explicitly (unset: on only where the layout allows it, keeps_survivors)
         raise ValueError(
             f"elastic.keep_survivors needs a second whole copy of the training state, but zero={p.zero} shards "
             "it over every dp rank, so a loss leaves none whole; set parallel.zero=0 (each dp replica holds "
@@ -156,6 +156,15 @@ def compile_unsupported(cfg) -> str | None:
                 "compiles a factory module whole, and torch miscompiles a tensor-parallel module compiled "
                 "whole; set train.compile=false or parallel.tp=1")
     return None
+
+
+def keeps_survivors(cfg) -> bool:
+    """Whether the survivors of a loss go on with their state (elastic.keep_survivors): as set, or,
+    unset, wherever the layout leaves them a copy of it; the fastest recovery that is safe."""
+    if cfg.elastic.keep_survivors is not None:
+        return cfg.elastic.keep_survivors
+    p = cfg.parallel
+    return survivors_keep_state(p.zero, p.layout.state_replicas, cfg.elastic.peer_copy_every)
 
 
 def survivors_keep_state(zero: int, state_replicas: int, peer_copy_every: int | None) -> bool:

@@ -228,12 +228,14 @@ class ElasticConfig(Strict):
         60, gt=0, description="the automatic step deadline is never shorter than this"
     )
     poll_s: float = Field(1.0, gt=0, description="how often to look for resources while waiting")
-    keep_survivors: bool = Field(
-        False,
+    keep_survivors: bool | None = Field(
+        None,
         description="after a loss, the surviving actors keep their state in memory and go on "
         "from the failed step (no restart, no checkpoint read, no step redone) where whole copies of the "
-        "state survive; needs parallel.zero=0 (each dp replica holds it), HSDP (parallel.dp_replicate >= 2) "
-        "or elastic.peer_copy_every (then survivors with no whole copy reload the peer copy, in their processes)",
+        "state survive; that needs parallel.zero=0 (each dp replica holds it), HSDP (parallel.dp_replicate "
+        ">= 2) or elastic.peer_copy_every (then survivors with no whole copy reload the peer copy, in their "
+        "processes). Unset: on wherever the layout allows it, else a restart from the checkpoint; true: "
+        "required (a layout without a copy is refused); false: always a restart from the checkpoint",
     )
     peer_copy_every: int = Field(
         0,

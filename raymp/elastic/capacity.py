@@ -82,15 +82,16 @@ def with_dp(cfg: RunConfig, dp: int) -> RunConfig:
 
 def with_replicas(cfg: RunConfig, replicas: int) -> RunConfig:
     """The run with `replicas` of its whole copies of the state (Layout.settings_keeping): dp replicas
-    under ZeRO-0, HSDP groups of the same shard size under ZeRO 2-3 (only keep_survivors runs get
-    here). Where the survivors of a next loss would hold no state to go on from (one copy under
-    ZeRO without peer copies: config.rules.survivors_keep_state), keep_survivors is off until
-    replicas join again."""
+    under ZeRO-0, HSDP groups of the same shard size under ZeRO 2-3 (only runs that keep survivors
+    get here). Where the survivors of a next loss would hold no state to go on from (one copy under
+    ZeRO without peer copies: config.rules.survivors_keep_state), a keep_survivors set to true goes
+    back to unset, which is off for that layout and on again once replicas join."""
     keeping = cfg.parallel.layout.settings_keeping(replicas)
     overrides = [f"parallel.{k}={v}" for k, v in keeping.items()]
-    if cfg.parallel.zero > 0:
-        keep = survivors_keep_state(cfg.parallel.zero, replicas, cfg.elastic.peer_copy_every)
-        overrides.append(f"elastic.keep_survivors={str(keep).lower()}")
+    if cfg.elastic.keep_survivors and not survivors_keep_state(
+        cfg.parallel.zero, replicas, cfg.elastic.peer_copy_every
+    ):
+        overrides.append("elastic.keep_survivors=null")
     return config_from_dict(resolved_dict(cfg), overrides)
 
 

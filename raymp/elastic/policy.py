@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from raymp.config.rules import keeps_survivors
 from raymp.elastic.capacity import capacity, largest_valid_dp, largest_valid_replicas, wait_for_replicas
 from raymp.elastic.states import Joining, Recovering
 
@@ -18,10 +19,10 @@ class Action(str, Enum):
 
 class RecoveryPolicy:
     """What to do about a failure. Up to elastic.max_restarts failures are recovered from; the
-    survivors go on with their state (elastic.keep_survivors, which the config allows only
-    where the layout leaves them a copy of it) when the rank was lost while training or while
-    new ranks joined, the group is still up, and it did not hang (a hung rank may not answer
-    the survivors' calls); otherwise the run is restored from the lineage."""
+    survivors go on with their state (config.rules.keeps_survivors: by default wherever the layout
+    leaves them a copy of it; elastic.keep_survivors=false turns it off) when the rank was lost
+    while training or while new ranks joined, the group is still up, and it did not hang (a hung
+    rank may not answer the survivors' calls); otherwise the run is restored from the lineage."""
 
     def __init__(self, elastic, group_is_shared: bool):
         self.enabled, self.max_restarts, self.group_is_shared = (
@@ -42,7 +43,7 @@ class RecoveryPolicy:
         """`history`: every failure of the run so far, this one included."""
         if len(history) > self.max_restarts:
             return Action.GIVE_UP
-        if (state.during in (None, Joining.name) and config.elastic.keep_survivors and group_alive
+        if (state.during in (None, Joining.name) and keeps_survivors(config) and group_alive
                 and state.failure.kind != "timeout"):
             return Action.KEEP_SURVIVORS
         return Action.RESTORE

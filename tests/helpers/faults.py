@@ -13,7 +13,8 @@ STEPS = 8
 
 
 def matrix_cfg(root: Path, cache: str, ckpt: Path | str | None = None, **sections) -> dict:
-    """The tiny model, dp=2 ZeRO-2, a checkpoint every 2 steps (asynchronous), 8 steps."""
+    """The tiny model, dp=2 ZeRO-2, a checkpoint every 2 steps (asynchronous), 8 steps; a loss
+    restarts from the checkpoint (elastic.keep_survivors=false)."""
     cfg = {
         "name": "faults", "seed": 3, "output_dir": str(Path(root) / "runs"),
         "model": {"preset": "tiny", "max_seq_len": 64},
@@ -22,7 +23,8 @@ def matrix_cfg(root: Path, cache: str, ckpt: Path | str | None = None, **section
         "optimizer": {"lr": 1e-2, "warmup_steps": 1, "grad_clip": 1.0},
         "data": {"source": "kjv", "tokenizer": "byte", "cache_dir": cache},
         "checkpoint": {"every": 2, "keep_last": 4, "dir": str(ckpt or Path(root) / "checkpoints")},
-        "elastic": {"wait_for_resources_s": 0, "poll_s": 0.1},
+        # A restart from the checkpoint, the matrix's subject; the survivors' tests ask for theirs.
+        "elastic": {"wait_for_resources_s": 0, "poll_s": 0.1, "keep_survivors": False},
         "tracking": {"enabled": False},
     }
     for section, values in sections.items():

@@ -1,8 +1,8 @@
-"""elastic.keep_survivors on the session's Ray: a rank's actor is killed mid-run (ray.kill) and
-the survivors go on from the failed step with the state they hold in memory. Checked like a
-layout test (every step once, loss within 1e-5 of one process, samples in the global order),
-plus: the survivors' processes are the same, no checkpoint is read and no step is redone.
-test_fault_matrix_cluster.py loses whole nodes the same way."""
+"""elastic.keep_survivors (on by default where the layout allows it) on the session's Ray: a
+rank's actor is killed mid-run (ray.kill) and the survivors go on from the failed step with the
+state they hold in memory. Checked like a layout test (every step once, loss within 1e-5 of one
+process, samples in the global order), plus: the survivors' processes are the same, no checkpoint
+is read and no step is redone. system/test_fault_matrix_cluster.py loses whole nodes the same way."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from helpers.faults import STEPS, Reference, check_against_reference, kill_rank_after, matrix_cfg
 from raymp import Trainer
 from raymp.config import ConfigError, config_from_dict
+from raymp.config.rules import keeps_survivors
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +34,10 @@ def ref(data_cache, tmp_path_factory):
     ({"dp": 4, "dp_replicate": 2, "zero": 3}, 0, 2),
 ], ids=["dp2", "dp4-rank0", "dp2xpp2", "dp2xtp2", "dp2xcp2", "hsdp2x2-zero3"])
 def test_survivors_keep_their_state_and_redo_no_step(parallel, lost, kept_dp, ref, data_cache, tmp_path):
+    """elastic.keep_survivors unset, as a user leaves it: every layout here leaves a whole copy of the
+    state, so the survivors go on by default."""
     cfg = matrix_cfg(tmp_path, data_cache, parallel={"zero": 0, "micro_batch_size": 1, **parallel},
-                     elastic={"keep_survivors": True, "grow_back": False})
+                     elastic={"keep_survivors": None, "grow_back": False})
     with Trainer(cfg, progress=False) as trainer:
         trainer.setup()
         pids = [n["pid"] for n in trainer.group.nodes]
@@ -121,7 +124,7 @@ def test_lost_replicas_join_back_from_live_peers(parallel, lost, ref, data_cache
         history = trainer.fit()
         survived, joined = trainer.restarts
         layout, pids_after = trainer.config.parallel.layout, [n["pid"] for n in trainer.group.nodes]
-        keep_survivors = trainer.config.elastic.keep_survivors
+        keep_survivors = keeps_survivors(trainer.config)
     assert survived["recovery"] == "survivors" and joined["recovery"] == "live join"
     assert joined["checkpoint"] is None and joined["resumed_step"] == survived["resumed_step"]  # none redone
     assert layout.record() == configured.record() and keep_survivors  # the configured layout again

@@ -17,9 +17,10 @@ from raymp.runtime.actor_group import WorkerLostError
 
 
 def _config(**elastic):
+    """dp=2 ZeRO-0; survivors only where a test asks for them (the default would keep them)."""
     return config_from_dict({"parallel": {"dp": 2, "zero": 0, "micro_batch_size": 1},
                              "train": {"global_batch_size": 8, "seq_len": 32}, "model": {"preset": "tiny"},
-                             "elastic": {"max_restarts": 2, **elastic}})
+                             "elastic": {"max_restarts": 2, "keep_survivors": False, **elastic}})
 
 
 class ScriptedRun:
@@ -225,7 +226,9 @@ def test_a_rewind_commits_the_save_in_flight_and_relaunches_at_the_same_layout()
 
 def test_a_resize_keeps_survivors_on_exactly_where_the_config_rule_allows_it():
     """elastic.with_replicas and the config rule ask one predicate: under ZeRO, down to one whole
-    copy of the state, keep_survivors goes off, unless peer copies give the survivors a state."""
+    copy of the state, a keep_survivors set to true goes back to unset (off for that layout, so
+    the resized run is not refused), unless peer copies give the survivors a state."""
+    from raymp.config.rules import keeps_survivors
     from raymp.elastic import with_replicas
 
     def hsdp(**elastic):
@@ -239,8 +242,8 @@ def test_a_resize_keeps_survivors_on_exactly_where_the_config_rule_allows_it():
         )
 
     one = with_replicas(hsdp(), 1)
-    assert one.parallel.dp == 2 and not one.elastic.keep_survivors
-    assert with_replicas(one, 2).elastic.keep_survivors  # back on when a second copy joins
+    assert one.parallel.dp == 2 and one.elastic.keep_survivors is None and not keeps_survivors(one)
+    assert keeps_survivors(with_replicas(one, 2))  # back on when a second copy joins
     assert with_replicas(hsdp(peer_copy_every=2), 1).elastic.keep_survivors
 
 
@@ -321,3 +324,22 @@ def test_the_policy_says_what_the_survivors_can_do_with_what_they_hold():
     ahead = policy.survivors(cfg(), {0: 6, 1: 6, 3: 6}, 5)
     assert isinstance(ahead, Refuse) and ahead.why == "their states are after steps [6], the run is at step 5"
     assert policy.survivors(cfg(peer_copy_every=2), {0: 6, 1: 6, 3: 6}, 5) == Reload([0, 1], 2, ahead.why)
+
+
+@pytest.mark.parametrize("parallel, elastic, kept", [
+    ({"dp": 2, "zero": 0}, {}, True),  # each dp replica holds the state
+    ({"dp": 2, "zero": 2}, {}, False),  # one copy, sharded over both ranks: restart from the checkpoint
+    ({"dp": 4, "zero": 3, "dp_replicate": 2}, {}, True),  # each HSDP group holds it
+    ({"dp": 2, "zero": 3}, {"peer_copy_every": 1}, True),  # the survivors reload the peer copy
+    ({"dp": 2, "zero": 0}, {"keep_survivors": False}, False),
+])
+def test_survivors_are_kept_by_default_wherever_the_layout_leaves_them_the_state(parallel, elastic, kept):
+    from raymp.config.rules import keeps_survivors
+
+    cfg = config_from_dict({"parallel": {"micro_batch_size": 1, **parallel}, "elastic": elastic,
+                            "train": {"global_batch_size": 8, "seq_len": 32}, "model": {"preset": "tiny"}})
+    assert keeps_survivors(cfg) is kept
+    state = Recovering(_lost(kind="died"), during=None)
+    action = RecoveryPolicy(cfg.elastic, group_is_shared=False).decide(state, [{}], cfg, True)
+    assert action is (Action.KEEP_SURVIVORS if kept else Action.RESTORE)
+
