@@ -167,7 +167,7 @@ class Trainer:
     @property
     def global_step(self) -> int:
         """Optimizer steps done (including those before a restored data position)."""
-        return self.feed.next_step if self.feed is not None else 0
+        return self.session.global_step if self.session is not None else 0
 
     # -- the step loop ------------------------------------------------------------------------
 
@@ -197,7 +197,6 @@ class Trainer:
             and not (self.session.checkpoints.due(step + 1, t.steps) and self.elastic.grows_at_checkpoint())
         )
         reports, metrics = self.session.run_step(step, next_may_start=ahead)
-        self.feed.next_step += 1
         metrics["restarts"] = len(self.restarts)
         if self.config.parallel.pp > 1:  # for timeline(), not in the history
             self.last_pipeline_events = stage_events(reports, self.config.parallel.layout)
@@ -289,7 +288,7 @@ class Trainer:
         """Where the run is in its data (steps done, samples consumed, epoch, offset): saved
         with a checkpoint; restore_data_position() continues from it, with any layout."""
         self.setup()
-        return self.feed.position()
+        return self.session.position()
 
     def restore_data_position(self, position: DataPosition | dict) -> None:
         """Continue from a saved data position: the next step reads exactly what the step after
@@ -345,7 +344,8 @@ class Trainer:
 
     def summary(self) -> str:
         return summary(
-            self.history, self.feed, self.data.manifest, self.tracking, compiles(self.config, self.device)
+            self.history, self.feed.eval_batches, self.session.position(), self.data.manifest, self.tracking,
+            compiles(self.config, self.device)
         )
 
     # -- tear-down ----------------------------------------------------------------------------

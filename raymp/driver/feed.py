@@ -1,5 +1,6 @@
-"""The data feed: the run's dataset and sample order, where the run is in them, and what each
-rank reads (one Ray Data stream per first-stage rank, the held-out batches for validation)."""
+"""The data feed: the run's dataset and sample order, where a run is in them after a given step
+(the run counts its steps: driver.session), and what each rank reads (one Ray Data stream per
+first-stage rank, the held-out batches for validation)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ class DataFeed:
         )
         self.seed = cfg.seed
         self.start: DataPosition | None = None  # where the streams started
-        self.next_step = 0
         self.eval_batches = 0
         self._services_placed = False  # place_ray_data_services_here, before the first streams
 
@@ -34,11 +34,11 @@ class DataFeed:
         """The node whose disk holds the data, when it is a local path (tasks reading it run there)."""
         return local_node_if_local_path(self.data.root)
 
-    def position(self) -> DataPosition:
-        """Steps done, samples consumed, epoch and offset: saved with a checkpoint, continued
-        from under any layout."""
-        consumed = self.order.consumed_before(self.next_step, self.start)
-        return DataPosition.at(self.next_step, consumed, self.order, self.seed, self.data.identity)
+    def position(self, steps_done: int) -> DataPosition:
+        """Where the run is in the data after `steps_done` steps (the run counts them: Session):
+        samples consumed, epoch and offset; saved with a checkpoint, continued from under any layout."""
+        consumed = self.order.consumed_before(steps_done, self.start)
+        return DataPosition.at(steps_done, consumed, self.order, self.seed, self.data.identity)
 
     def first_position(self) -> DataPosition:
         return DataPosition.at(0, 0, self.order, self.seed, self.data.identity)
@@ -93,7 +93,7 @@ class DataFeed:
                 )
             args.append((spec, steps, cpus, cfg.data.prefetch_batches, wait))
         group.call_per_rank("start_stream", args)
-        self.start, self.next_step = start, start.step
+        self.start = start
 
     def wait_streams(self, group, timeout_s: float, knob: str) -> None:
         group.call("wait_stream", timeout_s=timeout_s, knob=knob)

@@ -1,7 +1,8 @@
 """The actors of the run's current layout and what is tied to them: the group, the config it was
-launched with (stage split decided), the ranks' set-up reports, the planner's estimate and the
-checkpoint coordinator. It is the run the elastic controller drives (abandon_save, teardown,
-relaunch, keep_survivors, ...); the Trainer steps it."""
+launched with (stage split decided), the ranks' set-up reports, the planner's estimate, the
+checkpoint coordinator, and the run's step counter (a launch sets it, each step advances it). It is
+the run the elastic controller drives (abandon_save, teardown, relaunch, keep_survivors, ...); the
+Trainer steps it."""
 
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ class Session:
         self.setup_info: list[RankSetup] = []  # per rank: coords, stages, parameters, set-up memory
         self.memory_estimate: list = []  # the planner's RankEstimate per pipeline stage
         self.initial_position = None  # where a run without a checkpoint started
+        # The run's step counter: optimizer steps done, those before a restored position included.
+        # A launch sets it to where its data streams start; each step's results advance it.
+        self.global_step = 0
         self._ahead = None  # (step, refs, dispatched at, carries a save): queued, not yet collected
         self._unread: list = []  # a failed step's calls whose results were never read
         self._last_collected = 0.0  # when the last step's results came back
@@ -50,6 +54,7 @@ class Session:
         self.deadline.new_launch()
         launched = self.launcher.launch(self.config, position, group, kept, joined)
         self.group, self.config = launched.group, launched.config
+        self.global_step = self.launcher.feed.start.step
         self.setup_info, self.memory_estimate = launched.setup_info, launched.memory_estimate
         self._step_constants = self._per_step_constants()
         c = self.config.checkpoint
@@ -104,6 +109,7 @@ class Session:
             self._ahead = None  # its ranks are torn down with the failed step's
             raise WorkerLostError(f"step {step}: {lost}", lost.rank, lost.kind, step) from lost
         self._last_collected = time.perf_counter()
+        self.global_step = step + 1
         if writes is None:
             self.deadline.observe(self._last_collected - started)
         return reports, step_metrics(step, reports, cfg.parallel.layout, cfg, self._last_collected - started,
@@ -128,10 +134,6 @@ class Session:
                 for r, info in enumerate(self.group.nodes)]
 
     # -- what the elastic controller drives ---------------------------------------------------
-
-    @property
-    def global_step(self) -> int:
-        return self.launcher.feed.next_step
 
     def abandon_save(self):
         return self.checkpoints.abandon()
@@ -183,7 +185,7 @@ class Session:
             group.shrink_to(ranks, r.collective_timeout_s, r.rendezvous_timeout_s)
             self.config = config
             restored = self.launch(
-                self.launcher.feed.position() if kept else self.initial_position, group, kept
+                self.position() if kept else self.initial_position, group, kept
             )
             return restored, [n["pid"] for n in group.nodes]
         except BaseException:
@@ -217,7 +219,7 @@ class Session:
                 )
             group.grow((replicas - lay.state_replicas) * per, r.collective_timeout_s, r.rendezvous_timeout_s)
             self.config = with_replicas(self.config, replicas)
-            self.launch(self.launcher.feed.position(), group, kept=True,
+            self.launch(self.position(), group, kept=True,
                         joined={rank: rank % per for rank in range(before, group.world_size)})
             return [n["pid"] for n in group.nodes[:before]]
         except BaseException:
@@ -229,7 +231,7 @@ class Session:
 
     def checkpoint_meta(self) -> dict:
         """What a commit marker records besides its files and lineage."""
-        meta = {"data_position": self.launcher.feed.position().to_dict(),
+        meta = {"data_position": self.position().to_dict(),
                 "layout": self.config.parallel.layout.record(), "run_name": self.run_name,
                 "config": resolved_dict(self.config), "raymp_version": __version__}
         mlflow = self.tracking.record()
@@ -248,7 +250,7 @@ class Session:
                                               [r.save_started for r in reports], steps_done,
                                               self.config.train.steps, self.checkpoint_meta, metrics)
         if self.launcher.peer_copies.due(steps_done) and self.checkpoints.pending is None:  # none in flight
-            self.launcher.peer_copies.take(self.group, steps_done, self.launcher.feed.position().to_dict())
+            self.launcher.peer_copies.take(self.group, steps_done, self.position().to_dict())
         if not (started and self.launcher.shared_group is None and wants_to_grow()):
             return False
         if (grown_from := self.checkpoints.finish(self.group)) is None:
@@ -268,6 +270,11 @@ class Session:
         feed = self.launcher.feed
         feed.start_streams(self.group, self.config.parallel.layout, self.config,
                            feed.checked(position, self.config.train.steps))
+        self.global_step = feed.start.step
+
+    def position(self):
+        """Where the run is in the data now (DataPosition): saved with a checkpoint, continued from."""
+        return self.launcher.feed.position(self.global_step)
 
     def save_now(self, steps_done: int) -> Checkpoint:
         """Save the state after `steps_done` steps and wait for its commit."""

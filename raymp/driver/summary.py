@@ -46,13 +46,13 @@ def steady_median(history: list[dict], key: str) -> float:
     return sorted(m[key] for m in tail)[len(tail) // 2]
 
 
-def summary(history: list[dict], feed, manifest: dict, tracking, compiled: bool = False) -> str:
-    """The end-of-run lines: losses, throughput, data position, compile cost, memory, MLflow run.
-    `feed`: the run's data feed (held-out batches, position in the data)."""
+def summary(history: list[dict], eval_batches: int, position, manifest: dict, tracking,
+            compiled: bool = False) -> str:
+    """The end-of-run lines: losses, throughput, data position (a DataPosition), compile cost,
+    memory, MLflow run."""
     if not history:
         return "no steps run"
     h = history
-    eval_batches, position = feed.eval_batches, feed.position()
     tps = steady_median(h, "tokens_per_s")
     last = h[-1]
     lines = [f"done: {len(h)} steps, loss {h[0]['loss']:.4f} -> {last['loss']:.4f}, median {tps:,.0f} "
