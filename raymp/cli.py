@@ -53,7 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     planner.add_argument(
         "--compare",
         metavar="dp=8,pp=4,tp=2,zero=2",
-        help="also explain one given layout (fits or not, and why); keys dp, cp, pp, tp, zero, mbs, ac, sp, schedule",
+        help="also explain one given layout (fits or not, and why); keys dp, cp, pp, tp, zero, "
+        "mbs, ac, sp, schedule",
     )
 
     data = sub.add_parser("data", help="prepare a dataset: tokenize and pack text into parquet shards")
@@ -86,7 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument(
         "--hf",
         action="store_true",
-        help="a Hugging Face model's checkpoint: write a from_pretrained directory (config.json + model.safetensors)",
+        help="a Hugging Face model's checkpoint: write a from_pretrained directory (config.json + "
+        "model.safetensors)",
     )
 
     runs = sub.add_parser("runs", help="list an experiment's MLflow runs as a table, or compare some")
@@ -233,7 +235,8 @@ def _runs(args) -> int:
         print(compare_runs(uri, experiment, args.compare))
         if args.plot:
             print(
-                f"loss, tokens/s and peak memory by step: {plot_comparison(uri, experiment, args.compare, args.plot)}"
+                "loss, tokens/s and peak memory by step: "
+                f"{plot_comparison(uri, experiment, args.compare, args.plot)}"
             )
         return 0
     rows = list_runs(uri, experiment, args.limit)

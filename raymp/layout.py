@@ -274,14 +274,16 @@ class Layout:
             )
         elif not self.fsdp:
             yield (
-                f"parallel.dp_replicate > 1 (HSDP) shards with FSDP2 inside each group and needs parallel.zero 2 "
-                f"or 3 (zero is {self.zero}); set parallel.zero=3, or parallel.dp_replicate=1"
+                "parallel.dp_replicate > 1 (HSDP) shards with FSDP2 inside each group and needs "
+                f"parallel.zero 2 or 3 (zero is {self.zero}); set parallel.zero=3, or "
+                "parallel.dp_replicate=1"
             )
 
     def _tensor_problems(self, shape: ModelShape, seq_len: int, devices_per_node: int | None):
         tp = self.tp
         if tp > 1 and devices_per_node is not None and tp > devices_per_node:
-            yield f"parallel.tp ({tp}) exceeds the {devices_per_node} devices of a node; a TP group stays in one"
+            yield (f"parallel.tp ({tp}) exceeds the {devices_per_node} devices of a node; a TP group "
+                   "stays in one")
         if tp > 1 and shape.experts:
             yield (
                 "model.moe with parallel.tp > 1 is not supported (no tensor-parallel plan for expert blocks "

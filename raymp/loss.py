@@ -9,10 +9,10 @@ copies of a block of tokens at a time, forward and again backward (the same grad
 whole, with fp32 for one block only). On CUDA with compilation on, the loss is two fused kernels
 over the whole micro-batch (torch.compile of the two small functions below: a log-sum-exp per
 token, then the gradient), which read the logits twice, write their gradient in the logits' dtype
-once and write no fp32 copy at all; it keeps one fp32 number per token for backward. Liger-kernel's fused linear cross-entropy also
-folds the output projection in; raymp's output layer is sharded and hooked by its parallel
-wrappers (TP, FSDP), which a loss that takes the weight itself would bypass, so the projection
-stays a module and only the loss is fused.
+once and write no fp32 copy at all; it keeps one fp32 number per token for backward.
+Liger-kernel's fused linear cross-entropy also folds the output projection in; raymp's output
+layer is sharded and hooked by its parallel wrappers (TP, FSDP), which a loss that takes the
+weight itself would bypass, so the projection stays a module and only the loss is fused.
 
 Under tensor parallelism the logits are a vocabulary-sharded DTensor and torch's loss_parallel
 computes the loss (raymp.parallel.tensor); that path keeps F.cross_entropy.

@@ -44,8 +44,9 @@ def warmup_note(opt_cfg, total_steps: int) -> str | None:
     if w < total_steps:
         return None
     return (
-        f"note: optimizer.warmup_steps ({w}) is not below train.steps ({total_steps}): the whole run warms up, "
-        f"its last step at {lr_factor(total_steps - 1, w, total_steps, opt_cfg.min_lr_ratio):.0%} of optimizer.lr"
+        f"note: optimizer.warmup_steps ({w}) is not below train.steps ({total_steps}): the whole "
+        "run warms up, its last step at "
+        f"{lr_factor(total_steps - 1, w, total_steps, opt_cfg.min_lr_ratio):.0%} of optimizer.lr"
     )
 
 

@@ -356,7 +356,7 @@ def explain(args, layout: Layout, cluster: Cluster, global_batch: int, seq_len: 
     best = (result or plan(args, cluster, global_batch, seq_len, bf16, shape=shape)).best
     if best is not None:
         lines.append(
-            f"  The plan's best, {best.layout.text(detail=True)}, needs {best.peak_bytes / GB:.1f} GB per GPU "
-            f"at ~{best.time['tokens_per_s']:,.0f} tokens/s."
+            f"  The plan's best, {best.layout.text(detail=True)}, needs {best.peak_bytes / GB:.1f} "
+            f"GB per GPU at ~{best.time['tokens_per_s']:,.0f} tokens/s."
         )
     return "\n".join(lines)

@@ -43,9 +43,10 @@ class StepProgress:
             if m.get("moe_imbalance_max") is not None:
                 bubble += f"  experts max/mean {m['moe_imbalance_max']:.2f}  aux {m['moe_aux_loss']:.4f}"
             self.console.print(
-                f"step {step:>5}/{self.total}  loss {m['loss']:.4f}  grad_norm {m['grad_norm']:.3f}  "
-                f"{val}  lr {m['lr']:.2e}  {m['tokens_per_s']:,.0f} tok/s  {m['step_time_s'] * 1000:.0f} ms/step"
-                f"  data wait {m.get('data_wait_fraction', 0):.0%}{bubble}",
+                f"step {step:>5}/{self.total}  loss {m['loss']:.4f}  grad_norm "
+                f"{m['grad_norm']:.3f}  {val}  lr {m['lr']:.2e}  {m['tokens_per_s']:,.0f} tok/s  "
+                f"{m['step_time_s'] * 1000:.0f} ms/step  data wait "
+                f"{m.get('data_wait_fraction', 0):.0%}{bubble}",
                 highlight=False,
             )
 

@@ -88,7 +88,8 @@ def run_timeline(events, step: int, cfg, history: list[dict], run_name: str, loc
     theory = metrics["bubble_fraction_theory"]
     title = (
         f"{run_name}: step {step}, schedule {lay.schedule}, pp={lay.pp}, "
-        f"{lay.micro_batches(cfg.train.global_batch_size)} micro-batches; bubble {metrics['bubble_fraction']:.1%}"
+        f"{lay.micro_batches(cfg.train.global_batch_size)} micro-batches; bubble "
+        f"{metrics['bubble_fraction']:.1%}"
         + (f" (theory {theory:.1%})" if theory is not None else "")
     )
     with staged(location) as local:

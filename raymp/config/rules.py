@@ -52,10 +52,11 @@ def check_run(cfg) -> None:
         p.zero, p.layout.state_replicas, cfg.elastic.peer_copy_every
     ):  # asked for explicitly (unset: on only where the layout allows it, keeps_survivors)
         raise ValueError(
-            f"elastic.keep_survivors needs a second whole copy of the training state, but zero={p.zero} shards "
-            "it over every dp rank, so a loss leaves none whole; set parallel.zero=0 (each dp replica holds "
-            "it), HSDP with parallel.dp_replicate >= 2 (each group holds it), elastic.peer_copy_every (the "
-            "survivors reload the peer copy), or elastic.keep_survivors=false (restart from the checkpoint)"
+            "elastic.keep_survivors needs a second whole copy of the training state, but "
+            f"zero={p.zero} shards it over every dp rank, so a loss leaves none whole; set "
+            "parallel.zero=0 (each dp replica holds it), HSDP with parallel.dp_replicate >= 2 "
+            "(each group holds it), elastic.peer_copy_every (the survivors reload the peer copy), "
+            "or elastic.keep_survivors=false (restart from the checkpoint)"
         )
     if cfg.optimizer.cpu_offload and not p.layout.fsdp:
         raise ValueError(
@@ -66,8 +67,8 @@ def check_run(cfg) -> None:
         raise ValueError(CPU_OFFLOAD_ON_CPU)
     if cfg.precision == "fp16":
         raise ValueError(
-            "precision fp16 is not supported: it needs loss scaling, which raymp does not do; use precision=bf16 "
-            "(the same speed on GPUs that have it, and no scaling needed)"
+            "precision fp16 is not supported: it needs loss scaling, which raymp does not do; use "
+            "precision=bf16 (the same speed on GPUs that have it, and no scaling needed)"
         )
     if m.moe is not None:
         _check_moe(cfg)

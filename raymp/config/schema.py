@@ -241,8 +241,9 @@ class ElasticConfig(Strict):
         0,
         ge=0,
         description="every this many steps, each rank's part of the state is kept in Ray's object "
-        "store on its node and on another; a restart loads it instead of the disk checkpoint when it is as new "
-        "and a copy of every part survives (redundancy for what one rank alone holds: ZeRO shards, stages); 0: off",
+        "store on its node and on another; a restart loads it instead of the disk checkpoint when "
+        "it is as new and a copy of every part survives (redundancy for what one rank alone holds: "
+        "ZeRO shards, stages); 0: off",
     )
     survivor_grace_s: float = Field(
         10, gt=0, description="keep_survivors: once one survivor has ended its failed step, how long "
@@ -261,8 +262,8 @@ class ClusterConfig(Strict):
     inter_node_gbps: float = Field(50.0, gt=0, description="GB/s per device across nodes")
     cost_factors: dict[str, float] = Field(
         default_factory=dict,
-        description="measured cost of a mechanism's communication over its "
-        f"bytes-over-bandwidth price ({', '.join(COST_TERMS)}; 1: as priced), as the planner benchmark measures it",
+        description="measured cost of a mechanism's communication over its bytes-over-bandwidth "
+        f"price ({', '.join(COST_TERMS)}; 1: as priced), as the planner benchmark measures it",
     )
 
     @field_validator("cost_factors")

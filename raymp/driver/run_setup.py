@@ -21,10 +21,11 @@ def check_destinations(cfg: RunConfig) -> None:
     for field, value in (("output_dir", cfg.output_dir), ("checkpoint.dir", cfg.checkpoint.dir)):
         if value is not None and _in_a_jobs_working_dir_copy(value):
             raise ConfigError(
-                f"{field} {value!r} is inside Ray's copy of the job's working directory ({Path.cwd()}), which Ray "
-                f"deletes after the job: the run's results (checkpoints, the MLflow database, the prepared data) "
-                f"would be lost; set {field} to durable storage, e.g. --set {field}=/mnt/shared/runs (a path "
-                "every node reaches) or an s3:// / gs:// URI"
+                f"{field} {value!r} is inside Ray's copy of the job's working directory "
+                f"({Path.cwd()}), which Ray deletes after the job: the run's results (checkpoints, "
+                f"the MLflow database, the prepared data) would be lost; set {field} to durable "
+                f"storage, e.g. --set {field}=/mnt/shared/runs (a path every node reaches) or an "
+                "s3:// / gs:// URI"
             )
     try:
         storage.check_writable(cfg.output_dir)
@@ -81,9 +82,9 @@ def open_lineage(cfg: RunConfig, run_dir: str, log, data_position=None) -> Linea
             log(f"checkpoint: step {entry.step} is damaged, passed over: {entry.problem}")
     if lineage.abandoned():
         log(
-            f"checkpoint: rewound to step {lineage.rewound_from}: the newer checkpoints of the abandoned "
-            f"timeline (steps {[c.step for c in lineage.abandoned()]}) are never loaded by this run, and move "
-            "to <checkpoint.dir>/abandoned-<time>/ at its first save"
+            f"checkpoint: rewound to step {lineage.rewound_from}: the newer checkpoints of the "
+            f"abandoned timeline (steps {[c.step for c in lineage.abandoned()]}) are never loaded "
+            "by this run, and move to <checkpoint.dir>/abandoned-<time>/ at its first save"
         )
     if lineage.candidates() and data_position is not None:
         raise ValueError("give a data_position or a checkpoint to resume from, not both "
@@ -95,8 +96,8 @@ def say_resume(resume: Checkpoint, cfg: RunConfig, log) -> None:
     """One line on what a resume restores, and each setting the config changes against it."""
     log(
         f"resuming from {resume.path} (step {resume.step}, saved with "
-        f"{Layout.from_record(resume.meta['layout']).text()}): weights, optimizer state, LR schedule position "
-        "and data position restored"
+        f"{Layout.from_record(resume.meta['layout']).text()}): weights, optimizer state, LR "
+        "schedule position and data position restored"
     )
     for change in config_overrides(resume.meta.get("config", {}), cfg):
         log(f"resume: the config's {change}")

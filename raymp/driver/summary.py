@@ -28,14 +28,14 @@ def describe(run_name: str, cfg: RunConfig, num_params: int, manifest: dict, dev
             f"{max(peer_copy_bytes(e) for e in estimates) / 2**20:,.1f} MiB of Ray's object store per rank"
         )
     return (
-        f"raymp run {run_name}: {num_params / 1e6:.2f}M params, "
-        f"data {manifest['source']!r} ({manifest['samples']:,} samples, {manifest['tokenizer']} tokens), "
-        f"{lay.text()}{' (sequence parallel)' if lay.sequence_parallel else ''} on {lay.world_size} {device} "
-        f"actor(s) ({backend}); global batch {t.global_batch_size} x {t.seq_len} tokens "
-        f"= {lay.micro_batches(t.global_batch_size)} micro-batch(es) of {lay.micro_batch_size} per replica; "
-        f"precision {cfg.precision}{pipeline}\n"
-        f"kept in {run_dir} (config.yaml), checkpoints in {checkpoint_dir}, prepared data in {cfg.data.cache_dir}"
-        f"{copies}"
+        f"raymp run {run_name}: {num_params / 1e6:.2f}M params, data {manifest['source']!r} "
+        f"({manifest['samples']:,} samples, {manifest['tokenizer']} tokens), "
+        f"{lay.text()}{' (sequence parallel)' if lay.sequence_parallel else ''} on "
+        f"{lay.world_size} {device} actor(s) ({backend}); global batch {t.global_batch_size} x "
+        f"{t.seq_len} tokens = {lay.micro_batches(t.global_batch_size)} micro-batch(es) of "
+        f"{lay.micro_batch_size} per replica; precision {cfg.precision}{pipeline}\nkept in "
+        f"{run_dir} (config.yaml), checkpoints in {checkpoint_dir}, prepared data in "
+        f"{cfg.data.cache_dir}{copies}"
     )
 
 

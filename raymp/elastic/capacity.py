@@ -117,8 +117,9 @@ def wait_for_replicas(cfg: RunConfig, target_dp: int, device: str, reserve_node:
     waited = time.monotonic() - t0 if announced else 0.0
     if fits is None:
         raise ElasticError(
-            f"after waiting {waited:.0f}s (elastic.wait_for_resources_s) no replica of {cfg.parallel.layout.replica_text()} "
-            f"actors fits the live nodes ({cap.detail or 'none'}); add nodes and "
-            "resume from the last checkpoint (checkpoint.resume=auto), or lower parallel.cp/pp/tp"
+            f"after waiting {waited:.0f}s (elastic.wait_for_resources_s) no replica of "
+            f"{cfg.parallel.layout.replica_text()} actors fits the live nodes "
+            f"({cap.detail or 'none'}); add nodes and resume from the last checkpoint "
+            "(checkpoint.resume=auto), or lower parallel.cp/pp/tp"
         )
     return fits, waited, cap

@@ -191,7 +191,8 @@ class ElasticController:
         count = f"({len(self.failures)}/{self.policy.max_restarts})"
         if action is Action.GIVE_UP:
             error = ElasticError(
-                f"giving up after {len(self.failures)} failures (elastic.max_restarts={self.policy.max_restarts}): "
+                f"giving up after {len(self.failures)} failures "
+                f"(elastic.max_restarts={self.policy.max_restarts}): "
                 + "; ".join(f["message"] for f in self.failures)
                 + ". Resume later from the last checkpoint with checkpoint.resume=auto"
             )

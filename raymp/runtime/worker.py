@@ -231,7 +231,8 @@ class Worker(CheckpointCalls):
             self.peer_copy.discard()
         self.checkpointer = self.peer_copy = None
         meshes, self._meshes, self.broken = self._mesh_objects(), {}, True
-        self._drop_model()  # the DDP reducer, the pipeline and the meshes hold the groups; gloo closes on release
+        # The DDP reducer, the pipeline and the meshes hold the groups; gloo closes them on release.
+        self._drop_model()
         self._leave_groups(meshes)
 
     def _leave_groups(self, meshes: list) -> None:
