@@ -344,7 +344,7 @@ class Trainer:
 
     def summary(self) -> str:
         return summary(
-            self.history, self.feed.eval_batches, self.session.position(), self.data.manifest, self.tracking,
+            self.history, self.feed, self.global_step, self.data.manifest, self.tracking,
             compiles(self.config, self.device)
         )
 

@@ -46,13 +46,14 @@ def steady_median(history: list[dict], key: str) -> float:
     return sorted(m[key] for m in tail)[len(tail) // 2]
 
 
-def summary(history: list[dict], eval_batches: int, position, manifest: dict, tracking,
+def summary(history: list[dict], feed, steps_done: int, manifest: dict, tracking,
             compiled: bool = False) -> str:
-    """The end-of-run lines: losses, throughput, data position (a DataPosition), compile cost,
-    memory, MLflow run."""
+    """The end-of-run lines: losses, throughput, data position, compile cost, memory, MLflow run.
+    `feed`: the run's data feed (held-out batches, the position after `steps_done` steps)."""
     if not history:
         return "no steps run"
     h = history
+    eval_batches, position = feed.eval_batches, feed.position(steps_done)
     tps = steady_median(h, "tokens_per_s")
     last = h[-1]
     lines = [f"done: {len(h)} steps, loss {h[0]['loss']:.4f} -> {last['loss']:.4f}, median {tps:,.0f} "
