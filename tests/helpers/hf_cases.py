@@ -71,3 +71,16 @@ def hf_model(model_dir) -> torch.nn.Module:
 
 def tokens(batch=2, seq=16, seed=0):
     return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_reference(spec, model: torch.nn.Module) -> torch.nn.Module:
+    """transformers' own model for `spec` holding `model`'s weights (raymp's built model of it)."""
+    import transformers
+
+    from raymp.models.hf import to_hf_state_dict
+
+    reference = transformers.AutoModelForCausalLM.from_config(spec.hf_config, attn_implementation="sdpa")
+    reference.eval()
+    reference.load_state_dict(to_hf_state_dict(spec.model_type, model.state_dict(), spec.tie_embeddings),
+                              strict=False)
+    return reference

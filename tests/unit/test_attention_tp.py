@@ -11,11 +11,11 @@ import torch.multiprocessing as mp
 transformers = pytest.importorskip("transformers")
 
 from raymp.models import build_model  # noqa: E402
-from raymp.models.hf import HFSpec, load_hf_config, to_hf_state_dict  # noqa: E402
+from raymp.models.hf import HFSpec, load_hf_config  # noqa: E402
 from raymp.models.masks import document_ids  # noqa: E402
 from raymp.models.spec import build_part  # noqa: E402
 from helpers.documents import EOT, documents, packed_tokens  # noqa: E402
-from helpers.hf_cases import SLIDING  # noqa: E402
+from helpers.hf_cases import SLIDING, hf_reference  # noqa: E402
 from helpers.ports import free_port  # noqa: E402
 
 
@@ -57,11 +57,7 @@ def test_tp2_logits_equal_transformers_with_sliding_window_and_document_masks(
     logits = torch.load(out)
     spec = HFSpec(load_hf_config(None, hf_config), None, seed=3)
     whole = build_model(spec, 3)
-    reference = transformers.AutoModelForCausalLM.from_config(
-        spec.hf_config, attn_implementation="sdpa"
-    ).eval()
-    reference.load_state_dict(to_hf_state_dict(spec.model_type, whole.state_dict(), spec.tie_embeddings),
-                              strict=False)
+    reference = hf_reference(spec, whole)
     tokens = packed_tokens()
     with torch.no_grad():
         torch.testing.assert_close(logits["plain"], reference(tokens).logits, rtol=0, atol=1e-5)

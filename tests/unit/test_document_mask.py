@@ -12,11 +12,11 @@ transformers = pytest.importorskip("transformers")
 from raymp.config import ConfigError, config_from_dict  # noqa: E402
 from raymp.models import build_model  # noqa: E402
 from raymp.models.builtin import BuiltinSpec  # noqa: E402
-from raymp.models.hf import HFSpec, load_hf_config, to_hf_state_dict  # noqa: E402
+from raymp.models.hf import HFSpec, load_hf_config  # noqa: E402
 from raymp.models.llama import ModelArgs  # noqa: E402
 from raymp.models.masks import document_ids  # noqa: E402
 from helpers.documents import EOT, documents, packed_tokens  # noqa: E402
-from helpers.hf_cases import FAMILIES, SLIDING  # noqa: E402
+from helpers.hf_cases import FAMILIES, SLIDING, hf_reference  # noqa: E402
 
 HF_CONFIGS = {
     **FAMILIES,
@@ -53,11 +53,7 @@ def test_hf_model_sees_each_document_alone_as_transformers_computes_it(family):
     positions in the row (sliding windows of 8 inside documents of up to 19 tokens)."""
     spec = HFSpec(load_hf_config(None, HF_CONFIGS[family]), None, seed=3)
     model = build_model(spec, 3).eval()
-    reference = transformers.AutoModelForCausalLM.from_config(
-        spec.hf_config, attn_implementation="sdpa"
-    ).eval()
-    reference.load_state_dict(to_hf_state_dict(spec.model_type, model.state_dict(), spec.tie_embeddings),
-                              strict=False)
+    reference = hf_reference(spec, model)
     tokens = packed_tokens()
     with torch.no_grad():
         masked = model(tokens, document_ids=document_ids(tokens, EOT))

@@ -11,8 +11,10 @@ transformers = pytest.importorskip("transformers")
 
 from raymp.config import ConfigError, config_from_dict  # noqa: E402
 from raymp.models import build_model  # noqa: E402
-from raymp.models.hf import HFSpec, export_hf, load_hf_config, to_hf_state_dict  # noqa: E402
-from helpers.hf_cases import FAMILIES, GPT2, LLAMA, MOE_FAMILIES, SLIDING, hf_model, tokens  # noqa: E402
+from raymp.models.hf import HFSpec, export_hf, load_hf_config  # noqa: E402
+from helpers.hf_cases import (  # noqa: E402
+    FAMILIES, GPT2, LLAMA, MOE_FAMILIES, SLIDING, hf_model, hf_reference, tokens
+)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -39,11 +41,7 @@ def test_sliding_window_attention_is_transformers_forward(family):
     including those past the window (without the mask they differed by 0.26 from position 16)."""
     spec = HFSpec(load_hf_config(None, SLIDING[family]), None, seed=3)
     model = build_model(spec, 3).eval()
-    reference = transformers.AutoModelForCausalLM.from_config(
-        spec.hf_config, attn_implementation="sdpa"
-    ).eval()
-    reference.load_state_dict(to_hf_state_dict(spec.model_type, model.state_dict(), spec.tie_embeddings),
-                              strict=False)
+    reference = hf_reference(spec, model)
     with torch.no_grad():
         torch.testing.assert_close(model(tokens(seq=32)), reference(tokens(seq=32)).logits, rtol=0, atol=1e-5)
 
