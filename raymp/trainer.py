@@ -183,6 +183,9 @@ class Trainer:
                 return self._step_once(_dispatch_ahead_until)
             except WorkerLostError as lost:
                 self.elastic.recover(lost)
+                if self.session.committed is not None:  # the failed step was taken: recorded, not redone
+                    (step, reports, metrics), self.session.committed = self.session.committed, None
+                    return self._record(step, reports, metrics, saves=False)
 
     def _step_once(self, _dispatch_ahead_until: int) -> dict:
         joining = self.elastic.join_if_room(now=not self.session.queued())  # lost replicas back, live
@@ -197,19 +200,28 @@ class Trainer:
             and not (self.session.checkpoints.due(step + 1, t.steps) and self.elastic.grows_at_checkpoint())
         )
         reports, metrics = self.session.run_step(step, next_may_start=ahead)
+        return self._record(step, reports, metrics)
+
+    def _record(self, step: int, reports: list, metrics: dict, saves: bool = True) -> dict:
+        """A step's results into the history, the health check, checkpoints and tracking.
+        `saves`: false for a failed step its commit vote took (the controller abandoned the save
+        in flight; one due after this step is not started, the next due one is)."""
+        t = self.config.train
         metrics["restarts"] = len(self.restarts)
         if self.config.parallel.pp > 1:  # for timeline(), not in the history
             self.last_pipeline_events = stage_events(reports, self.config.parallel.layout)
             self._last_pipeline_step = step
-        if eval_due:
+        if self.feed.eval_due(step, t):
             metrics["val_loss"] = self.evaluate()
         self.history.append(metrics)
-        self.session.collect_saves(reports, metrics)
+        if saves:
+            self.session.collect_saves(reports, metrics)
         # Before a save starts: a run that stops saves nothing more.
         if self.health.after_step(metrics):  # train.on_nonfinite=restore
             self.elastic.rewind(step, f"step {step}: non-finite gradient norm {metrics['grad_norm']}")
             return metrics
-        if self.session.after_step(reports, self.global_step, metrics, self.elastic.grows_at_checkpoint):
+        if saves and self.session.after_step(reports, self.global_step, metrics,
+                                             self.elastic.grows_at_checkpoint):
             self.elastic.grow()  # from the checkpoint just committed
         self.tracking.on_step(metrics)
         return metrics

@@ -4,6 +4,7 @@ estimated, FLOPs and MFU, and for pipelines the bubble measured from the stages'
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -11,6 +12,7 @@ from raymp.config import RunConfig
 from raymp.layout import Layout
 from raymp.models.moe import imbalance
 from raymp.parallel.pipeline import bubble_stats, theoretical_bubble
+from raymp.runtime.commit_vote import StepRecord
 from raymp.runtime.report import RankReport
 
 
@@ -49,6 +51,26 @@ def step_metrics(step: int, reports: list[RankReport], layout: Layout, cfg: RunC
     metrics.update(moe_metrics(reports, layout))
     metrics["per_rank"] = [r.public() for r in reports]
     return metrics
+
+
+def with_stand_ins(reports: dict[int, RankReport], record: StepRecord, layout: Layout) -> list[RankReport]:
+    """Every rank's report of a step its commit vote took, from those that came back (rank ->
+    report): a lost rank's is a copy of a peer's that holds the same part of the model (its
+    pp, tp and cp; another replica), with the loss and samples the vote gathered from the lost
+    rank itself, marked stand_in (its times and memory are the peer's)."""
+    def part(rank: int) -> tuple:
+        c = layout.coords(rank)
+        return c["pp"], c["tp"], c["cp"]
+
+    out = []
+    for rank in range(layout.world_size):
+        if rank in reports:
+            out.append(reports[rank])
+            continue
+        peer = next(reports[r] for r in sorted(reports) if part(r) == part(rank))
+        out.append(replace(peer, rank=rank, loss=record.losses[rank], sample_ids=record.sample_ids[rank],
+                           checkpoint=None, save_started=None, stand_in=True))
+    return out
 
 
 def moe_metrics(reports: list[RankReport], layout: Layout) -> dict:

@@ -16,13 +16,13 @@ from raymp.checkpoint.store import Checkpoint
 from raymp.config import RunConfig, resolved_dict
 from raymp.driver.health import StepDeadline
 from raymp.driver.launch import Launcher
-from raymp.driver.metrics import peak_tflops, step_metrics
+from raymp.driver.metrics import peak_tflops, step_metrics, with_stand_ins
 from raymp.driver.stopping import stop_signals_held
 from raymp.elastic import with_dp, with_replicas
 from raymp.models import model_args
 from raymp.step_time import step_flops
 from raymp.runtime.actor_group import ActorGroup, WorkerLostError
-from raymp.runtime.report import RankSetup
+from raymp.runtime.report import RankReport, RankSetup
 from raymp.version import __version__
 
 
@@ -42,6 +42,8 @@ class Session:
         self.global_step = 0
         self._ahead = None  # (step, refs, dispatched at, carries a save): queued, not yet collected
         self._unread: list = []  # a failed step's calls whose results were never read
+        self._failed: tuple[int, list] | None = None  # the failed step and its calls, by rank
+        self.committed: tuple[int, list, dict] | None = None  # a failed step its vote took (commit_failed_step)
         self._last_collected = 0.0  # when the last step's results came back
         self.queued_early: list[int] = []  # steps queued before the previous one's results were read
         self.deadline = StepDeadline(config.elastic)  # how long a step may take before a rank counts as hung
@@ -106,6 +108,7 @@ class Session:
         except WorkerLostError as lost:
             # The survivors' calls end with errors of their own: read later (read_failed_calls).
             self._unread = refs + (self._ahead[1] if self._ahead else [])
+            self._failed = (step, refs)
             self._ahead = None  # its ranks are torn down with the failed step's
             raise WorkerLostError(f"step {step}: {lost}", lost.rank, lost.kind, step) from lost
         self._last_collected = time.perf_counter()
@@ -161,6 +164,45 @@ class Session:
                                     "elastic.survivor_grace_s")
         self._read_failed_calls()
         return kept
+
+    def finished_failed_step(self) -> dict[int, RankReport]:
+        """rank -> its report of the failed step, from the ranks whose call of it ended well
+        (asked once the survivors answered: their calls of it have ended)."""
+        if self._failed is None or self._failed[0] != self.global_step:
+            return {}
+        step, refs = self._failed
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        finished = {}
+        for rank, ref in enumerate(refs):
+            if ref in ready:
+                try:
+                    finished[rank] = ray.get(ref)
+                except Exception:
+                    continue
+        return finished
+
+    def commit_failed_step(self, finished: dict[int, RankReport]) -> None:
+        """The failed step was taken by every rank (its commit vote passed; `finished`: the reports
+        that came back): record it (self.committed, for the Trainer) with the loss and samples the
+        vote gathered from the ranks whose reports are lost, and count it done."""
+        step, _ = self._failed
+        record = None
+        for rank in finished:  # one that is alive answers (the lost rank's replica was let go)
+            try:
+                record = ray.get(self.group.workers[rank].step_record.remote(step),
+                                 timeout=self.config.resources.collective_timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                continue
+            if record is not None:
+                break
+        if record is None:
+            raise WorkerLostError(f"step {step}: no survivor holds the commit vote's record", None, "died", step)
+        layout = self.config.parallel.layout
+        reports = with_stand_ins(finished, record, layout)
+        step_time = max(r.compute_s for r in finished.values())  # the step's end was never seen
+        metrics = step_metrics(step, reports, layout, self.config, step_time, *self._step_constants)
+        metrics["stand_in_ranks"] = [r.rank for r in reports if r.stand_in]
+        self.committed, self.global_step = (step, reports, metrics), step + 1
 
     def _read_failed_calls(self) -> None:
         """Read the failed step's results that are in (errors, known already): Ray prints an

@@ -48,6 +48,10 @@ class ElasticRun(Protocol):
 
     def keep_survivors(self, lost_rank: int | None) -> dict[int, int]: ...
 
+    def finished_failed_step(self) -> dict: ...
+
+    def commit_failed_step(self, finished: dict) -> None: ...
+
     def continue_on_ranks(
         self, ranks: list[int], config, kept: bool
     ) -> tuple[Checkpoint | None, list[int]]: ...
@@ -210,12 +214,14 @@ class ElasticController:
         self, state: KeepingSurvivors, first: WorkerLostError, in_flight: tuple | None
     ) -> State:
         """The live ranks drop the failed step and copy their state to host memory; the policy
-        says what they can do with it: go on from the failed step (nothing redone, nothing read
-        from storage), reload it from peer copies, or nothing (the run restores)."""
+        says what they can do with it: go on from the failed step, or after it when they all took
+        it whole (its commit vote passed; it is recorded from their reports), nothing redone and
+        nothing read from storage; reload it from peer copies; or nothing (the run restores)."""
         t0 = time.monotonic()
         cfg, lost = self.run.config, state.failure
         kept = self.run.keep_survivors(lost.rank if lost.kind == "died" else None)
-        plan = self.policy.survivors(cfg, kept, self.run.global_step)
+        finished = self.run.finished_failed_step()
+        plan = self.policy.survivors(cfg, kept, self.run.global_step, set(finished))
         if isinstance(plan, Refuse):
             self.say(f"elastic: the survivors cannot go on alone ({plan.why}); restarting from the lineage")
             return Restoring("failure", first, refused=plan.why)
@@ -223,6 +229,8 @@ class ElasticController:
             self.say(f"elastic: the survivors cannot go on with their state ({plan.why}); they reload it")
             return ReloadingSurvivors(lost, plan.ranks, plan.dp, plan.why)
         before = cfg.parallel.layout.record()
+        if plan.took_step:  # lost after the step's commit vote: every rank took it, it is done
+            self.run.commit_failed_step(finished)
         _, pids = self.run.continue_on_ranks(plan.ranks, with_replicas(cfg, plan.replicas), kept=True)
         event = self._restart_event("failure", "survivors", first, in_flight, before,
                                     resumed_step=self.run.global_step, checkpoint=None, since=t0, pids=pids)

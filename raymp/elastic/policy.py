@@ -48,22 +48,30 @@ class RecoveryPolicy:
             return Action.KEEP_SURVIVORS
         return Action.RESTORE
 
-    def survivors(self, config, kept: dict[int, int], at: int) -> GoOn | Reload | Refuse:
+    def survivors(self, config, kept: dict[int, int], at: int, finished: set[int]) -> GoOn | Reload | Refuse:
         """What the live ranks can do with what they hold (`kept`: rank -> the steps its state
-        holds; the run is at step `at`). They go on when all hold step `at` and whole copies of the
-        state among them give a valid dp. They hold a later step when a rank was lost after its
-        step's last collective (the survivors took the step: going on would take it twice). Where
-        they cannot, peer copies (elastic.peer_copy_every) let the whole TP groups among them
-        reload it; else the run restores."""
+        holds; the run is at step `at`; `finished`: the ranks whose call of step `at` ended well).
+        They go on when whole copies of the state among them give a valid dp and all hold step
+        `at`, or all took step `at` whole: a rank lost after the step's commit vote leaves every
+        rank with the step applied (raymp.runtime.commit_vote), and the run counts it done
+        (GoOn.took_step). A survivor that holds the step without its call having ended (a fault
+        after its optimizer step) or survivors that disagree cannot go on; peer copies
+        (elastic.peer_copy_every) then let the whole TP groups among them reload it; else the run
+        restores."""
         layout = config.parallel.layout
         held = sorted(set(kept.values()))
+        took = held == [at + 1] and set(kept) <= finished
         replicas = layout.whole_replicas(kept)
-        n = largest_valid_replicas(config, len(replicas)) if replicas and held == [at] else None
+        n = largest_valid_replicas(config, len(replicas)) if replicas and (held == [at] or took) else None
         if n is not None:
-            return GoOn([r for ranks in replicas[:n] for r in ranks], n)
-        why = (f"their states are after steps {held}, the run is at step {at}" if held != [at] else
-               "no whole copy of the state survived" if not replicas else
-               f"{len(replicas)} whole copies of the state split the global batch into no valid dp")
+            return GoOn([r for ranks in replicas[:n] for r in ranks], n, took)
+        if held == [at] or took:
+            why = ("no whole copy of the state survived" if not replicas else
+                   f"{len(replicas)} whole copies of the state split the global batch into no valid dp")
+        else:
+            unfinished = sorted(set(kept) - finished) if held == [at + 1] else []
+            why = f"their states are after steps {held}, the run is at step {at}" + (
+                f" and ranks {unfinished} did not end it" if unfinished else "")
         per = layout.world_size // layout.dp  # the ranks of one dp replica
         ranks = layout.whole_tp_groups(sorted(kept))
         copies = config.elastic.peer_copy_every and len(ranks) >= per
@@ -73,10 +81,12 @@ class RecoveryPolicy:
 
 @dataclass(frozen=True)
 class GoOn:
-    """The survivors go on with the state they hold: `ranks`, `replicas` whole copies of it."""
+    """The survivors go on with the state they hold: `ranks`, `replicas` whole copies of it;
+    `took_step`: they all took the failed step, which counts as done."""
 
     ranks: list[int]
     replicas: int
+    took_step: bool = False
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,8 @@ class DataParallelEngine:
     def no_sync(self, is_last_micro_batch: bool):
         return contextlib.nullcontext()
 
-    def clip_grad_norm(self, max_norm: float | None, copies: int, counted_elsewhere=()) -> float:
+    def clip_grad_norm(self, max_norm: float | None, copies: int, counted_elsewhere=(),
+                       also_sum: torch.Tensor | None = None) -> float:
         """Global gradient norm over every rank's gradients, clipping to max_norm when set.
 
         Ranks hold gradients in many forms: plain tensors (replicated over dp, and over tp for
@@ -94,7 +95,9 @@ class DataParallelEngine:
         `copies` = dp x tp ranks, and a local piece of a gradient is held by copies / (number of
         shards) of them, so each rank adds its squares divided by that, and one all-reduce over
         every rank gives the norm. `counted_elsewhere` names parameters (a tied head's copy of
-        the embedding) whose gradient another stage already counts."""
+        the embedding) whose gradient another stage already counts. `also_sum`: a flat float64
+        CPU tensor summed over every rank in place by the same all-reduce (the step's commit
+        vote rides on it: raymp.runtime.commit_vote)."""
         params = [p for p in self.optimizer_params() if p.grad is not None]
         skip = {id(p) for p in counted_elsewhere}
         by_weight: dict[float, list[torch.Tensor]] = {}  # shards / copies -> the pieces it weighs
@@ -115,7 +118,13 @@ class DataParallelEngine:
             # Offloaded gradients are on the CPU, which an NCCL group cannot reduce: the sum
             # travels on the rank's compute device.
             squares = squares.to(self.device)
-            dist.all_reduce(squares)
+            if also_sum is None:
+                dist.all_reduce(squares)
+            else:
+                summed = torch.cat([squares.reshape(1), also_sum.to(self.device)])
+                dist.all_reduce(summed)
+                squares = summed[0]
+                also_sum.copy_(summed[1:])
         norm = float(squares.sqrt())
         if max_norm:
             coef = min(1.0, max_norm / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_

@@ -32,6 +32,7 @@ from raymp.models.spec import clean_name as _clean
 from raymp.optim import build_scheduler
 from raymp.parallel.experts import finish_expert_step
 from raymp.runtime.checkpoint_calls import CheckpointCalls
+from raymp.runtime.commit_vote import Ballot, StepRecord
 from raymp.runtime.gradients import full_gradients
 from raymp.runtime.peer_loss import GroupSockets, StepAbandon, is_peer_loss, leave_process_groups
 from raymp.runtime.process_memory import (freeze_what_is_here, peak_memory, peak_rss, reset_peak_rss,
@@ -58,6 +59,7 @@ class Worker(CheckpointCalls):
         self.peer_copy = None  # a PeerCopyWriter beside the checkpointer, on its group
         self._meshes = {}
         self._kept = None  # keep_state()'s host copy, until restore_kept()
+        self.last_vote: StepRecord | None = None  # the last step's commit vote (step_record)
         self.broken = False  # a step lost a peer: no process group until rejoin()
         self.abandon = StepAbandon()  # set by abandon_step() from the control thread
         self.sockets = GroupSockets()  # what the groups connected, shut when this rank leaves them (gloo)
@@ -263,11 +265,15 @@ class Worker(CheckpointCalls):
         self.step_runner.measure_memory(measure)
         out = self.step_runner.forward_backward(tokens)
         p = self.cfg.parallel
-        grad_norm = self.engine.clip_grad_norm(
+        ballot = Ballot(step, out["loss"], sample_ids, self.cfg.train.global_batch_size // p.layout.dp,
+                        self.rank, self.world_size)
+        grad_norm = self.engine.clip_grad_norm(  # the step's last collective, and its commit vote
             self.cfg.optimizer.grad_clip,
             p.layout.data_parallel_size * p.tp,
             self.step_runner.counted_elsewhere,
+            also_sum=ballot.tensor,
         )
+        self.last_vote = ballot.record()
         if math.isfinite(grad_norm):  # the same global norm on every rank: all apply, or none
             self.engine.optimizer.step()
             routing = finish_expert_step(self.step_runner.moe_blocks, self.step_runner.mesh["data"])
@@ -296,6 +302,10 @@ class Worker(CheckpointCalls):
             routing=routing,
             **self.memory.last,
         )
+
+    def step_record(self, step: int) -> StepRecord | None:
+        """What the commit vote of `step` gathered, if this rank's last vote was that step's."""
+        return self.last_vote if self.last_vote is not None and self.last_vote.step == step else None
 
     def evaluate(self) -> float | None:
         """Mean validation loss over the held-out batches (last stages return it)."""

@@ -67,8 +67,8 @@ class HoldStepWorker(Worker):
     """The rank that finds <output_dir>/hold-<step>-<rank> stops at the start of that step and
     stays there until it is killed with its node, after renaming the file to held-<step>-<rank>:
     the node is then lost while every peer is inside that step, waiting on it, however fast the
-    machine is (lost at a random moment, it can land after the step's last collective, when the
-    survivors have taken the step and the run must restart from storage). One-shot: the rank of
+    machine is (lost at a random moment, it can land after the step's commit vote, when the
+    survivors have taken the step and go on after it rather than from it). One-shot: the rank of
     that number after the loss runs the step. Shipped by value, like SlowWriteWorker."""
 
     def setup(self, cfg, vocab_size: int, *args):

@@ -136,22 +136,29 @@ def test_lost_replicas_join_back_from_live_peers(parallel, lost, ref, data_cache
 
 
 @pytest.mark.timeout(300)
-def test_a_rank_lost_after_its_step_was_taken_everywhere_restarts_from_storage(ref, data_cache, tmp_path):
-    """dp2: rank 1 takes step 3 (its gradients reached rank 0, both stepped their optimizers) and
-    dies before it reports. Rank 0's state is then a step ahead of the run: going on with it
-    would take step 3 twice, and step 3's loss went with rank 1. The run restarts from the
-    lineage, says why, and trains every step once, as one process does."""
+@pytest.mark.parametrize("parallel, lost", [
+    ({"dp": 2}, 1),
+    ({"dp": 2, "pp": 2, "schedule": "1f1b"}, 3),
+], ids=["dp2", "dp2xpp2"])
+def test_a_rank_lost_after_its_step_was_taken_everywhere_costs_no_step(parallel, lost, ref, data_cache, tmp_path):
+    """A rank takes step 3 whole (its commit vote passed, every rank stepped its optimizer) and
+    dies before it reports. Every survivor holds step 3 applied and its report of it, and the vote
+    gave each the lost rank's loss and samples: step 3 is recorded from them (the lost rank's
+    report a stand-in), the survivors go on from step 4 with nothing read from storage and no step
+    redone, and every step's loss and samples match one process."""
     from helpers.ckpt_workers import DiesAfterStepWorker
 
-    cfg = matrix_cfg(tmp_path, data_cache, parallel={"dp": 2, "zero": 0, "micro_batch_size": 1},
-                     elastic={"keep_survivors": True, "grow_back": False})
+    cfg = matrix_cfg(tmp_path, data_cache, parallel={"zero": 0, "micro_batch_size": 1, **parallel},
+                     elastic={"keep_survivors": None, "grow_back": False})  # the default
     with Trainer(cfg, progress=False, worker_cls=DiesAfterStepWorker) as trainer:
         trainer.setup()
-        trainer.group.call("arm_die_after", 3, 1)
+        lost_replica = trainer.config.parallel.layout.replica_of(lost)
+        trainer.group.call("arm_die_after", 3, lost)
         history = trainer.fit()
         (event,) = trainer.restarts
-    assert event["recovery"] == "restart" and event["failed_step"] == 3 and event["checkpoint"] is not None
-    assert event["survivors_refused"] == "their states are after steps [4], the run is at step 3"
+    assert event["recovery"] == "survivors" and event["failed_step"] == 3 and event["checkpoint"] is None
+    assert event["resumed_step"] == 4 and [m["step"] for m in history] == list(range(STEPS))  # none redone
+    assert set(history[3]["stand_in_ranks"]) <= set(lost_replica) and lost in history[3]["stand_in_ranks"]
     check_against_reference(history, ref, range(STEPS))
 
 

@@ -25,11 +25,13 @@ def _config(**elastic):
 
 class ScriptedRun:
     """The ElasticRun interface, answering from a script: `relaunch_faults` are raised by the
-    next relaunches, in order (then it succeeds); `held` is what keep_survivors reports."""
+    next relaunches, in order (then it succeeds); `held` is what keep_survivors reports;
+    `took`: the survivors' calls of the failed step ended well (its commit vote passed)."""
 
-    def __init__(self, config, step: int = 5, relaunch_faults=(), held=None):
+    def __init__(self, config, step: int = 5, relaunch_faults=(), held=None, took=False):
         self.config, self.group, self.global_step = config, object(), step
-        self.relaunch_faults, self.held = list(relaunch_faults), held
+        self.relaunch_faults, self.held, self.took = list(relaunch_faults), held, took
+        self.kept: dict = {}
         self.calls: list[str] = []
         self.events: list[dict] = []
 
@@ -55,7 +57,15 @@ class ScriptedRun:
         self.calls.append(f"keep_survivors({lost_rank})")
         layout = self.config.parallel.layout
         held = self.held if self.held is not None else self.global_step
-        return {r: held for r in range(layout.world_size) if r not in layout.replica_of(lost_rank)}
+        self.kept = {r: held for r in range(layout.world_size) if r not in layout.replica_of(lost_rank)}
+        return self.kept
+
+    def finished_failed_step(self):
+        return {r: f"report of rank {r}" for r in self.kept} if self.took else {}
+
+    def commit_failed_step(self, finished):
+        self.calls.append(f"commit_failed_step({sorted(finished)})")
+        self.global_step += 1
 
     def continue_on_ranks(self, ranks, config, kept):
         self.calls.append(f"continue_on_ranks({ranks}, kept={kept})")
@@ -131,12 +141,27 @@ def test_survivors_go_on_with_their_state():
     assert run.config.parallel.dp == 1
 
 
-def test_survivors_ahead_of_the_run_are_refused_and_the_run_restarts():
-    """A rank lost after its step's last collective: the survivors took the step (held 6 at 5)."""
+def test_survivors_that_all_took_the_failed_step_count_it_done_and_go_on():
+    """A rank lost after its step's commit vote: every survivor took the step and its call
+    ended well (held 6 at 5), so the step is recorded from their reports and the run goes on
+    after it, nothing redone."""
+    run = ScriptedRun(_config(keep_survivors=True), held=6, took=True)
+    controller, _ = _controller(run)
+    event = controller.recover(_lost(rank=1))
+    assert _phases(controller) == ["running", "recovering", "keeping survivors", "running"]
+    assert event["recovery"] == "survivors" and event["resumed_step"] == 6 and event["failed_step"] == 5
+    assert run.calls == ["abandon_save", "keep_survivors(1)", "commit_failed_step([0])",
+                         "continue_on_ranks([0], kept=True)"]
+
+
+def test_survivors_ahead_of_the_run_without_their_step_ending_are_refused_and_the_run_restarts():
+    """The survivors hold step 5 applied (held 6 at 5) but their calls of it did not end well (a
+    fault after their optimizer step): what they hold is not known whole, so the run restarts."""
     run = ScriptedRun(_config(keep_survivors=True), held=6)
     controller, _ = _controller(run)
     event = controller.recover(_lost(rank=1))
-    assert event["recovery"] == "restart" and "the run is at step 5" in event["survivors_refused"]
+    assert event["recovery"] == "restart"
+    assert event["survivors_refused"] == "their states are after steps [6], the run is at step 5 and ranks [0] did not end it"
     assert run.calls[-2:] == ["teardown", "relaunch(1)"]
     assert _phases(controller) == ["running", "recovering", "keeping survivors", "restoring", "running"]
 
@@ -304,8 +329,9 @@ def test_listeners_see_every_state_and_the_scripted_paths_cover_them_all():
 
 
 def test_the_policy_says_what_the_survivors_can_do_with_what_they_hold():
-    """dp4 (ZeRO-0: each rank a whole copy): survivors at the run's step go on; ahead of it (a
-    rank lost after its step's last collective) they reload from peer copies if there are any,
+    """dp4 (ZeRO-0: each rank a whole copy): survivors at the run's step go on; so do survivors
+    that all took the step whole (a rank lost after its commit vote); ahead of it without every
+    survivor's call of it ending, or disagreeing, they reload from peer copies if there are any,
     else the run restores."""
     from raymp.elastic.policy import GoOn, Refuse, Reload
 
@@ -320,10 +346,15 @@ def test_the_policy_says_what_the_survivors_can_do_with_what_they_hold():
         )
 
     policy = RecoveryPolicy(cfg().elastic, group_is_shared=False)
-    assert policy.survivors(cfg(), {0: 5, 1: 5, 3: 5}, 5) == GoOn([0, 1], 2)  # 3 copies: 8 splits into 2
-    ahead = policy.survivors(cfg(), {0: 6, 1: 6, 3: 6}, 5)
-    assert isinstance(ahead, Refuse) and ahead.why == "their states are after steps [6], the run is at step 5"
-    assert policy.survivors(cfg(peer_copy_every=2), {0: 6, 1: 6, 3: 6}, 5) == Reload([0, 1], 2, ahead.why)
+    assert policy.survivors(cfg(), {0: 5, 1: 5, 3: 5}, 5, set()) == GoOn([0, 1], 2)  # 3 copies: 8 splits into 2
+    # Every survivor took step 5 and its call of it ended (the vote passed): the step is done.
+    assert policy.survivors(cfg(), {0: 6, 1: 6, 3: 6}, 5, {0, 1, 3}) == GoOn([0, 1], 2, took_step=True)
+    ahead = policy.survivors(cfg(), {0: 6, 1: 6, 3: 6}, 5, {0, 1})
+    assert isinstance(ahead, Refuse)
+    assert ahead.why == "their states are after steps [6], the run is at step 5 and ranks [3] did not end it"
+    assert policy.survivors(cfg(peer_copy_every=2), {0: 6, 1: 6, 3: 6}, 5, {0, 1}) == Reload([0, 1], 2, ahead.why)
+    apart = policy.survivors(cfg(), {0: 5, 1: 6, 3: 6}, 5, {1, 3})  # they disagree: none goes on
+    assert apart == Refuse("their states are after steps [5, 6], the run is at step 5")
 
 
 @pytest.mark.parametrize("parallel, elastic, kept", [
