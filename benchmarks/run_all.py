@@ -39,6 +39,7 @@ SECTIONS = (
     "planner",
     "rank_step",
     "moe",
+    "vote",
 )
 
 
@@ -54,6 +55,7 @@ _WHERE = {
     "long_context": "long_context:measure",
     "planner": "planner_check:measure",
     "moe": "moe:measure",
+    "vote": "commit_vote:measure",
 }
 
 
