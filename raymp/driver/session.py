@@ -14,6 +14,7 @@ from raymp.checkpoint.coordinator import CheckpointCoordinator
 from raymp.checkpoint.restore import COLLECTIVE_KNOB, restore_newest_intact
 from raymp.checkpoint.store import Checkpoint
 from raymp.config import RunConfig, resolved_dict
+from raymp.driver.failed_step import ended_well, vote_record
 from raymp.driver.health import StepDeadline
 from raymp.driver.launch import Launcher
 from raymp.driver.metrics import peak_tflops, step_metrics, with_stand_ins
@@ -43,7 +44,8 @@ class Session:
         self._ahead = None  # (step, refs, dispatched at, carries a save): queued, not yet collected
         self._unread: list = []  # a failed step's calls whose results were never read
         self._failed: tuple[int, list] | None = None  # the failed step and its calls, by rank
-        self.committed: tuple[int, list, dict] | None = None  # a failed step its vote took (commit_failed_step)
+        # A failed step its vote took, recorded for the Trainer (commit_failed_step).
+        self.committed: tuple[int, list, dict] | None = None
         self._last_collected = 0.0  # when the last step's results came back
         self.queued_early: list[int] = []  # steps queued before the previous one's results were read
         self.deadline = StepDeadline(config.elastic)  # how long a step may take before a rank counts as hung
@@ -170,38 +172,19 @@ class Session:
         (asked once the survivors answered: their calls of it have ended)."""
         if self._failed is None or self._failed[0] != self.global_step:
             return {}
-        step, refs = self._failed
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        finished = {}
-        for rank, ref in enumerate(refs):
-            if ref in ready:
-                try:
-                    finished[rank] = ray.get(ref)
-                except Exception:
-                    continue
-        return finished
+        return ended_well(self._failed[1])
 
     def commit_failed_step(self, finished: dict[int, RankReport]) -> None:
         """The failed step was taken by every rank (its commit vote passed; `finished`: the reports
         that came back): record it (self.committed, for the Trainer) with the loss and samples the
         vote gathered from the ranks whose reports are lost, and count it done."""
-        step, _ = self._failed
-        record = None
-        for rank in finished:  # one that is alive answers (the lost rank's replica was let go)
-            try:
-                record = ray.get(self.group.workers[rank].step_record.remote(step),
-                                 timeout=self.config.resources.collective_timeout_s)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                continue
-            if record is not None:
-                break
-        if record is None:
-            raise WorkerLostError(f"step {step}: no survivor holds the commit vote's record", None, "died", step)
+        step, r = self._failed[0], self.config.resources
+        record = vote_record(self.group.workers, finished, step, r.collective_timeout_s, COLLECTIVE_KNOB)
         layout = self.config.parallel.layout
         reports = with_stand_ins(finished, record, layout)
-        step_time = max(r.compute_s for r in finished.values())  # the step's end was never seen
+        step_time = max(rep.compute_s for rep in finished.values())  # the step's end was never seen
         metrics = step_metrics(step, reports, layout, self.config, step_time, *self._step_constants)
-        metrics["stand_in_ranks"] = [r.rank for r in reports if r.stand_in]
+        metrics["stand_in_ranks"] = [rep.rank for rep in reports if rep.stand_in]
         self.committed, self.global_step = (step, reports, metrics), step + 1
 
     def _read_failed_calls(self) -> None:

@@ -36,8 +36,8 @@ class Ballot:
             raise ValueError(f"{ids.size} sample ids on one rank, the vote has room for {ids_per_rank}")
         self.step = step
         rows = np.zeros((world_size, 4 + ids_per_rank))  # numpy: one torch op to wrap, not one per field
-        rows[rank, :4] = (loss is not None, 0.0 if loss is None else loss, -1 if sample_ids is None else ids.size,
-                          step)
+        rows[rank, :4] = (loss is not None, 0.0 if loss is None else loss,
+                          -1 if sample_ids is None else ids.size, step)
         rows[rank, 4:4 + ids.size] = ids
         self.rows = torch.from_numpy(rows)
 
