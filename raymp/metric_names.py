@@ -22,6 +22,7 @@ PER_STEP = {
     "data_wait_s": "speed/data_s",
     "data_wait_fraction": "speed/data_frac",
     "checkpoint_blocked_s": "speed/ckpt_s",
+    "straggler_ratio": "speed/straggler",
     "bubble_fraction": "pipe/bubble",
     "bubble_fraction_theory": "pipe/theory",
     "restarts": "restart/count",

@@ -25,6 +25,7 @@ from raymp.config import RunConfig, resolved_dict
 from raymp.data import DataPosition
 from raymp.driver.feed import DataFeed
 from raymp.driver.health import NonFinitePolicy
+from raymp.driver.stragglers import StragglerWatch
 from raymp.driver.launch import Launcher, as_config, check_vocab, num_params
 from raymp.driver.metrics import stage_events
 from raymp.driver.run_setup import check_destinations, open_lineage, removed_if_setup_fails, say_resume
@@ -65,6 +66,8 @@ class Trainer:
         self.on_event = None
         self._say = self._log
         self.health = NonFinitePolicy(self.config.train, self._warn)
+        e = self.config.elastic
+        self.stragglers = StragglerWatch(e.straggler_factor, e.straggler_steps, self._warn)
         self.last_pipeline_events, self._last_pipeline_step = None, None  # the last step's, for timeline()
 
     @property
@@ -220,11 +223,18 @@ class Trainer:
         if self.health.after_step(metrics):  # train.on_nonfinite=restore
             self.elastic.rewind(step, f"step {step}: non-finite gradient norm {metrics['grad_norm']}")
             return metrics
+        if saves:  # a step recorded for a lost rank has its peer's times: not a measurement of it
+            self.stragglers.after_step([r.own_s for r in reports], self.config.parallel.layout, metrics,
+                                       self._where)
         if saves and self.session.after_step(reports, self.global_step, metrics,
                                              self.elastic.grows_at_checkpoint):
             self.elastic.grow()  # from the checkpoint just committed
         self.tracking.on_step(metrics)
         return metrics
+
+    def _where(self, rank: int) -> str:
+        node = self.session.group.nodes[rank]
+        return f" (node {node['node_ip']}, pid {node['pid']})"
 
     def fit(self, steps: int | None = None) -> list[dict]:
         """Train to `train.steps` (or `steps` more steps). Returns the per-step metrics."""

@@ -249,6 +249,20 @@ class ElasticConfig(Strict):
         10, gt=0, description="keep_survivors: once one survivor has ended its failed step, how long "
         "the others get; one still waiting then (gloo does not always wake a rank whose peer is gone) "
         "is let go and the run goes on without it")
+    straggler_factor: float = Field(
+        2.0, ge=0, description="a rank whose own time per step (its training thread on a CPU or waiting "
+        "for one, not blocked in collectives) is this many times its stage peers' median for "
+        "straggler_steps steps in a row is reported as a straggler (a line, the metric speed/straggler); "
+        "0: off; above 1")
+    straggler_steps: int = Field(5, ge=1, description="how many steps in a row make a straggler")
+
+    @field_validator("straggler_factor")
+    @classmethod
+    def _straggler_factor(cls, value: float) -> float:
+        if 0 < value <= 1:
+            raise ValueError(f"{value:g} would call every rank a straggler: use a factor above 1 "
+                             "(2: twice its peers' own time), or 0 to turn the report off")
+        return value
 
 
 class ClusterConfig(Strict):

@@ -31,6 +31,7 @@ class RankReport:
     param_bytes: int
     grad_bytes: int
     optim_bytes: int
+    own_s: float = 0.0  # the step's own time: not blocked (raymp.runtime.thread_time)
     activation_peak_bytes: int = 0
     loss_saved_peak_bytes: int = 0
     logits_bytes: int = 0

@@ -39,6 +39,7 @@ from raymp.runtime.process_memory import (freeze_what_is_here, peak_memory, peak
                                           return_large_buffers_to_os)
 from raymp.runtime.report import MemorySampler, RankReport, RankSetup
 from raymp.runtime.steps import LocalStep, PipelineStep, forget_tied_groups
+from raymp.runtime.thread_time import own_time_s
 
 
 class Worker(CheckpointCalls):
@@ -256,7 +257,7 @@ class Worker(CheckpointCalls):
             gc.collect()
 
     def _train_step(self, step: int, save: SaveOrder | None) -> RankReport:
-        t0 = time.perf_counter()
+        t0, own0 = time.perf_counter(), own_time_s()
         sample_ids = tokens = None
         data_wait = 0.0
         if self.stream is not None:
@@ -286,7 +287,7 @@ class Worker(CheckpointCalls):
             self.memory.record(step, out, self.engine.state_bytes())
         self.engine.optimizer.zero_grad(set_to_none=True)
         self.engine.after_optimizer_step()
-        compute_s = time.perf_counter() - t0
+        compute_s, own_s = time.perf_counter() - t0, own_time_s() - own0
         finished, started = self.checkpoint_after_step(save, math.isfinite(grad_norm))
         return RankReport(
             rank=self.rank,
@@ -296,6 +297,7 @@ class Worker(CheckpointCalls):
             grad_norm=grad_norm,
             lr=lr,
             compute_s=compute_s,
+            own_s=own_s,
             peak_mem_bytes=peak_memory(self.device),
             checkpoint=finished,
             save_started=started,

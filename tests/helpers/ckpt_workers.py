@@ -185,3 +185,23 @@ class NonFiniteGradientWorker(Worker):
             return super()._train_step(step, save)
         finally:
             del step_runner.forward_backward
+
+
+class SlowRankWorker(Worker):
+    """Rank `rank` does its forward and backward, then `factor` times their CPU time again in a busy
+    loop, every step: a rank slowed by its own work, by the same ratio on any machine."""
+
+    def arm_slow(self, rank: int, factor: float) -> None:
+        if self.rank != rank:
+            return
+        run = self.step_runner.forward_backward
+
+        def slowed(tokens):
+            start = time.thread_time()
+            out = run(tokens)
+            end = time.thread_time() + factor * (time.thread_time() - start)
+            while time.thread_time() < end:
+                pass
+            return out
+
+        self.step_runner.forward_backward = slowed

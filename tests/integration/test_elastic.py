@@ -1,5 +1,6 @@
 """Elastic training on the session's Ray: a killed actor restarts the group; the run gives up after
-elastic.max_restarts; hung ranks are detected by the step timeout or the process-group timeout.
+elastic.max_restarts; hung ranks are detected by the step timeout or the process-group timeout; a
+slow rank is reported as a straggler.
 Node loss on a simulated multi-node cluster is in the fault matrix
 (system/test_fault_matrix_cluster.py)."""
 
@@ -102,3 +103,26 @@ def test_hung_rank_is_detected(tiny_cfg, tmp_path, kind):
         assert err.value.kind == kind and err.value.step == 1
     finally:
         group.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_slowed_by_its_own_work_is_reported_as_a_straggler(data_cache, tmp_path):
+    """dp2: rank 1 does 5x its forward and backward's work again every step (a busy loop). Its own
+    time is about 5-6x rank 0's, whose extra time is spent blocked in the collectives waiting for
+    it: rank 1 (and only it) is reported once, after elastic.straggler_steps steps, and the
+    training is the same as one process's."""
+    from helpers.ckpt_workers import SlowRankWorker
+    from helpers.faults import Reference, check_against_reference, matrix_cfg
+
+    cfg = matrix_cfg(tmp_path, data_cache, parallel={"dp": 2, "zero": 0, "micro_batch_size": 1},
+                     elastic={"straggler_steps": 3}, checkpoint={"every": 0})
+    ref = Reference.of(cfg)
+    with Trainer(cfg, progress=False, worker_cls=SlowRankWorker) as trainer:
+        trainer.setup()
+        trainer.group.call("arm_slow", 1, 5.0)
+        history = trainer.fit()
+        reported = trainer.stragglers.reported
+    assert [rank for _, rank in reported] == [1] and reported[0][0] >= 2
+    assert history[reported[0][0]]["straggler_rank"] == 1
+    assert history[reported[0][0]]["straggler_ratio"] >= 2.0  # elastic.straggler_factor's default
+    check_against_reference(history, ref, range(len(history)))

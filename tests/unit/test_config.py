@@ -213,6 +213,10 @@ BAD = {
         {"train": {"on_nonfinite": "ignore"}},
         ["train.on_nonfinite", "skip", "restore"],
     ),
+    "straggler factor not above 1": (
+        {"elastic": {"straggler_factor": 0.5}},
+        ["elastic.straggler_factor", "above 1", "0 to turn the report off"],
+    ),
 }
 
 
