@@ -225,7 +225,7 @@ class Trainer:
             return metrics
         if saves:  # a step recorded for a lost rank has its peer's times: not a measurement of it
             self.stragglers.after_step([r.own_s for r in reports], self.config.parallel.layout, metrics,
-                                       self._where)
+                                       self._where, launch=len(self.restarts))
         if saves and self.session.after_step(reports, self.global_step, metrics,
                                              self.elastic.grows_at_checkpoint):
             self.elastic.grow()  # from the checkpoint just committed

@@ -26,6 +26,8 @@ def own_time_ratios(own: list[float], layout: Layout) -> dict[int, float]:
 
 
 class StragglerWatch:
+    """Counts each rank's steps in a row above the factor and says when one reaches the count."""
+
     def __init__(self, factor: float, steps: int, say):
         """`factor` 0: off."""
         self.factor, self.steps, self.say = factor, steps, say
@@ -33,12 +35,14 @@ class StragglerWatch:
         self.reported: list[tuple[int, int]] = []  # (step, rank) of every report
         self._layout = None
 
-    def after_step(self, own: list[float], layout: Layout, metrics: dict, where=lambda rank: "") -> None:
-        """`own`: every rank's own time of the step; `where(rank)`: where the rank runs, for the line."""
+    def after_step(self, own: list[float], layout: Layout, metrics: dict, where=lambda rank: "",
+                   launch: int = 0) -> None:
+        """`own`: every rank's own time of the step; `where(rank)`: where the rank runs, for the line;
+        `launch`: changes when the ranks are set up anew (the run's restarts so far)."""
         if not self.factor:
             return
-        if layout.record() != self._layout:
-            self._layout, self.in_a_row = layout.record(), {}
+        if (launch, layout.record()) != self._layout:
+            self._layout, self.in_a_row = (launch, layout.record()), {}
         ratios = own_time_ratios(own, layout)
         if not ratios:
             return

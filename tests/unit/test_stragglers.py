@@ -52,6 +52,7 @@ def test_a_layout_change_starts_the_count_again_and_zero_turns_it_off():
     watch = StragglerWatch(2.0, 2, lambda line: None)
     watch.after_step([1, 3], _layout(dp=2), {"step": 0})
     watch.after_step([1, 3, 1, 1], _layout(dp=4), {"step": 1})  # another layout: rank 1 counts from 1
+    watch.after_step([1, 3, 1, 1], _layout(dp=4), {"step": 2}, launch=1)  # set up anew: from 1 again
     assert watch.reported == []
     off, metrics = StragglerWatch(0, 1, lambda line: None), {"step": 0}
     off.after_step([1, 9], _layout(dp=2), metrics)
