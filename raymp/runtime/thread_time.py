@@ -7,16 +7,24 @@ schedstat gives both parts; elsewhere the thread's CPU time alone."""
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 
-_SCHEDSTAT = "/proc/thread-self/schedstat"  # "<ns on a CPU> <ns runnable, waiting for one> <slices>"
+_OPEN: dict[int, int] = {}  # thread id -> its schedstat, open: a read is then one pread (~3 us)
 
 
 def own_time_s() -> float:
     """The calling thread's CPU time plus its run-queue wait so far, in seconds."""
-    try:
-        with open(_SCHEDSTAT) as f:
-            on_cpu, waiting, _ = f.read().split()
-    except (OSError, ValueError):
-        return time.thread_time()
-    return (int(on_cpu) + int(waiting)) / 1e9
+    tid = threading.get_native_id()
+    for _ in range(2):  # a second try reopens: a thread id reused after its thread ended
+        try:
+            if tid not in _OPEN:
+                # "<ns on a CPU> <ns runnable, waiting for one> <time slices>"
+                _OPEN[tid] = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
+            on_cpu, waiting, _ = os.pread(_OPEN[tid], 128, 0).split()
+            return (int(on_cpu) + int(waiting)) / 1e9
+        except (OSError, ValueError):
+            if (fd := _OPEN.pop(tid, None)) is not None:
+                os.close(fd)
+    return time.thread_time()
