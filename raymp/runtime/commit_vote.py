@@ -1,5 +1,5 @@
 """The step's commit vote. Every rank's ballot rides on the step's last collective, the gradient
-norm's all-reduce (ZeroEngine.clip_grad_norm), which every rank joins after its backward and
+norm's all-reduce (DataParallelEngine.clip_grad_norm), which every rank joins after its backward and
 before its optimizer step; no collective of its own. It makes "the step was taken" a fact every
 survivor can state: a rank lost before or during that all-reduce leaves no rank that applied the
 step (they all keep the state from before it), and once it is in, every rank holds what the
