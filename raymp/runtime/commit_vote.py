@@ -1,10 +1,11 @@
 """The step's commit vote. Every rank's ballot rides on the step's last collective, the gradient
 norm's all-reduce (DataParallelEngine.clip_grad_norm), which every rank joins after its backward and
 before its optimizer step; no collective of its own. It makes "the step was taken" a fact every
-survivor can state: a rank lost before or during that all-reduce leaves no rank that applied the
-step (they all keep the state from before it), and once it is in, every rank holds what the
-driver needs to record the step without any one rank's report (each rank's loss and the samples
-it read), so a rank lost after it costs no step (raymp.elastic.policy)."""
+survivor can state: a rank lost before that all-reduce leaves no rank that applied the step (they
+all keep the state from before it); once it is in, every rank holds what the driver needs to
+record the step without any one rank's report (each rank's loss and the samples it read), so a
+rank lost after it costs no step; one lost during it can leave survivors that disagree, and those
+do not go on with their state (raymp.elastic.policy)."""
 
 from __future__ import annotations
 
