@@ -147,9 +147,9 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.command == "timeline":
             return _timeline(cfg, args)
+        stop_on_signals()  # from here: a stop while the run is set up too (kept across ray.init)
         with Trainer(cfg, progress=not args.no_progress) as trainer:
             trainer.setup()
-            stop_on_signals()  # after Ray connects (see there)
             trainer.fit()
             if args.no_progress:  # the outcome and where it is recorded are not progress
                 print(trainer.summary())

@@ -29,6 +29,7 @@ def connect(address: str | None, min_cpus: float) -> None:
     if ray.is_initialized():
         return
     address = _cluster_address(address)
+    kept = _python_stop_handlers()
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
@@ -39,7 +40,20 @@ def connect(address: str | None, min_cpus: float) -> None:
         # would join that one, or refuse num_cpus).
         with quiet_loggers(*RAY_LOCAL_START):
             ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+    for signum, handler in kept.items():
+        signal.signal(signum, handler)
     _kernel_ends_on_sigterm()
+
+
+def _python_stop_handlers() -> dict:
+    """The SIGINT and SIGTERM handlers this process set in Python before connecting (the CLI's
+    stop handler, driver.stopping.stop_on_signals), to put back after ray.init: it gives SIGTERM to
+    abseil's failure handler, which prints a stack dump and aborts (exit 134), so a SIGTERM while
+    the run is set up (data prepared, actors started) would be a crash instead of a stop."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    return {s: h for s, h in handlers.items() if callable(h) and h is not signal.default_int_handler}
 
 
 def _kernel_ends_on_sigterm() -> None:

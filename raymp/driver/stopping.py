@@ -35,8 +35,9 @@ def stop_signals_held(say, doing: str):
 
 def stop_on_signals() -> None:
     """SIGTERM (`ray job stop`, a scheduler's preemption) ends a run as Ctrl-C does: the save in
-    flight is committed, the MLflow run marked KILLED, the actors released. Call it after Ray is
-    connected: ray.init puts in its own SIGTERM handler, which would end the driver mid-step.
+    flight is committed, the MLflow run marked KILLED, the actors released. ray.init puts in its
+    own SIGTERM handler (a stack dump, then an abort); raymp.ray_connection.connect puts this one
+    back after it, so it may be called before Ray is connected.
 
     SIGINT gets a handler (Python's own behaviour) even where the process started with it ignored: a
     command started in the background by a non-interactive shell (`raymp train ... &` in a script,

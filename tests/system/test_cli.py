@@ -127,6 +127,34 @@ def test_sigint_stops_a_run_started_with_sigint_ignored(tmp_path):
     assert last_step < stopped and "step   500/500" not in lines[last_step], lines[-20:]
 
 
+def test_sigterm_while_the_run_is_set_up_stops_it_without_a_crash_dump(tmp_path):
+    """ray.init gives SIGTERM to abseil's failure handler (a stack dump, exit 134); a stop that
+    arrives once Ray is connected and the data prepared, while the actors start, ends the run as
+    `ray job stop` should: exit 143, one line, no dump."""
+    import signal
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "raymp.cli", "train", "configs/tiny.yaml", "--set", "train.steps=500",
+         "--set", "checkpoint.every=0", "--set", "tracking.enabled=false",
+         "--set", f"output_dir={tmp_path / 'runs'}"],
+        cwd=ROOT, env={**os.environ, "RAY_ADDRESS": ""}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    seen = []
+    try:
+        for line in proc.stdout:  # the event: the data is prepared (Ray is connected by then)
+            seen.append(line)
+            if line.startswith("prepared "):
+                break
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    text = "".join(seen) + out
+    assert proc.returncode == 143, text[-3000:]
+    assert "raymp: stopped by SIGTERM" in text and "SIGTERM received" not in text, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+
+
 def test_sigterm_stops_a_sweep_and_marks_its_runs_killed(tmp_path):
     """`ray job stop` sends SIGTERM: the sweep ends with status 143, and the trial it interrupted
     and the sweep's own MLflow run end KILLED (not RUNNING forever), the trial with why."""
