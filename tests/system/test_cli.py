@@ -94,6 +94,21 @@ def test_data_prepare_stops_on_bad_records_or_skips_and_counts_them(tmp_path):
     assert (Path(root) / "manifest.json").is_file() and list(Path(root).glob("shard-*.parquet"))
 
 
+def _signal_on_line(proc, prefix: str, signum) -> str:
+    """Send `signum` to `proc` once its output has a line starting with `prefix`; its whole output."""
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith(prefix):
+                break
+        proc.send_signal(signum)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    return "".join(seen) + out
+
+
 def test_sigint_stops_a_run_started_with_sigint_ignored(tmp_path):
     """A command started in the background by a script (or CI) inherits SIGINT ignored; `kill -INT`
     must still stop it as Ctrl-C does (once it trained to its end instead). Its output piped as a
@@ -108,17 +123,8 @@ def test_sigint_stops_a_run_started_with_sigint_ignored(tmp_path):
         cwd=ROOT, env={**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}, "RAY_ADDRESS": ""},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
-    seen = []
-    try:
-        for line in proc.stdout:  # wait on the event (a step line: plain lines off a terminal), not a clock
-            seen.append(line)
-            if line.startswith("step "):
-                break
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    lines = "".join(seen + [out]).splitlines()
+    # The event (a step line: plain lines off a terminal), not a clock.
+    lines = _signal_on_line(proc, "step ", signal.SIGINT).splitlines()
     assert proc.returncode == 130, "\n".join(lines[-20:])
     stopped = next(
         i for i, line in enumerate(lines) if line.startswith("raymp: stopped by SIGINT")
@@ -139,17 +145,7 @@ def test_sigterm_while_the_run_is_set_up_stops_it_without_a_crash_dump(tmp_path)
          "--set", f"output_dir={tmp_path / 'runs'}"],
         cwd=ROOT, env={**os.environ, "RAY_ADDRESS": ""}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True)
-    seen = []
-    try:
-        for line in proc.stdout:  # the event: the data is prepared (Ray is connected by then)
-            seen.append(line)
-            if line.startswith("prepared "):
-                break
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    text = "".join(seen) + out
+    text = _signal_on_line(proc, "prepared ", signal.SIGTERM)  # the data is prepared: Ray is connected
     assert proc.returncode == 143, text[-3000:]
     assert "raymp: stopped by SIGTERM" in text and "SIGTERM received" not in text, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
