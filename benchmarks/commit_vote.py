@@ -11,14 +11,13 @@ time taken from the ballot's making to its record holds no wait for the other ra
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
-import socket
 import tempfile
 import time
 
 import numpy as np
 
 from benchmarks.common import global_batches, median, run_config, spread, window
+from benchmarks.peers_plain import _spawn
 
 
 def _rank_main(rank: int, world: int, port: int, cfg_dict: dict, vocab_size: int, batches, with_ballot: bool,
@@ -78,25 +77,11 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict, vocab_size: int
 
 
 def _run(cfg: dict, batches, vocab: int, with_ballot: bool, world: int = 2) -> dict:
-    """One run in `world` spawned processes: rank 0's losses, the slowest rank's step ends and
-    per step the slowest rank's time in the norm's all-reduce."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, cfg, vocab, batches, with_ballot, results))
-             for r in range(world)]
-    for proc in procs:
-        proc.start()
-    gathered = sorted(results.get(timeout=1800) for _ in procs)
-    for proc in procs:
-        proc.join()
-        if proc.exitcode:
-            raise RuntimeError(f"a rank exited with {proc.exitcode}")
-    ends = np.array([g[1] for g in gathered]).max(axis=0)
-    return {"step_times": list(np.diff(ends)), "losses": gathered[0][2],
-            "reduce_s": np.array([g[3] for g in gathered]).max(axis=0).tolist()}
+    """One run in `world` spawned processes: the slowest rank's step ends, the losses, and per
+    step the slowest rank's time in the norm's all-reduce."""
+    out = _spawn(_rank_main, world, (cfg, vocab, batches, with_ballot))
+    out["reduce_s"] = np.array([more[0] for more in out["more"]]).max(axis=0).tolist()
+    return out
 
 
 VARIANTS = {"norm only": False, "norm + ballots (raymp)": True}

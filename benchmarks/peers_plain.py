@@ -90,8 +90,9 @@ def run_plain_dp(cfg_dict: dict, batches: list[np.ndarray], vocab_size: int, mod
 
 
 def _spawn(target, world: int, args: tuple) -> dict:
-    """`target(rank, world, port, *args, results)` in `world` spawned interpreters; the slowest
-    rank's step ends, the per-step losses (mean over the ranks that report one) and the wall time."""
+    """`target(rank, world, port, *args, results)` in `world` spawned interpreters, each putting
+    (rank, step ends, losses, *more) on `results`; the slowest rank's step ends, the per-step losses
+    (mean over the ranks that report one), the wall time and each rank's `more` (by rank)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -101,13 +102,13 @@ def _spawn(target, world: int, args: tuple) -> dict:
     procs = [ctx.Process(target=target, args=(r, world, port, *args, results)) for r in range(world)]
     for proc in procs:
         proc.start()
-    gathered = [results.get(timeout=1800) for _ in procs]
+    gathered = sorted(results.get(timeout=1800) for _ in procs)
     for proc in procs:
         proc.join()
         if proc.exitcode:
             raise RuntimeError(f"a plain-process rank exited with {proc.exitcode}")
-    ends = np.array([e for _, e, _ in sorted(gathered)]).max(axis=0)
+    ends = np.array([g[1] for g in gathered]).max(axis=0)
     steps = len(ends)
-    per_step = [[loss for _, _, losses in gathered if (loss := losses[s]) is not None] for s in range(steps)]
+    per_step = [[loss for g in gathered if (loss := g[2][s]) is not None] for s in range(steps)]
     return {"step_times": list(np.diff(ends)), "losses": [float(np.mean(v)) for v in per_step],
-            "fit_s": time.time() - start}
+            "fit_s": time.time() - start, "more": [g[3:] for g in gathered]}
