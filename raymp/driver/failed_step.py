@@ -13,7 +13,8 @@ from raymp.runtime.report import RankReport
 
 def ended_well(refs: list) -> dict[int, RankReport]:
     """rank -> the result of its call in `refs` (by rank), for the calls that have ended without
-    an error (none is waited for)."""
+    an error (none is waited for). Every ended call is read, the failed ones too: Ray prints an
+    "Unhandled error" for a failed result never read."""
     ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
     finished = {}
     for rank, ref in enumerate(refs):

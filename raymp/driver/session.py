@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import time
 
-import ray
-
 from raymp.checkpoint.coordinator import CheckpointCoordinator
 from raymp.checkpoint.restore import COLLECTIVE_KNOB, restore_newest_intact
 from raymp.checkpoint.store import Checkpoint
@@ -191,12 +189,8 @@ class Session:
         """Read the failed step's results that are in (errors, known already): Ray prints an
         "Unhandled error" for every failed result that is never read."""
         unread, self._unread = self._unread, []
-        ready, _ = ray.wait(unread, num_returns=len(unread), timeout=0) if unread else ([], [])
-        for ref in ready:
-            try:
-                ray.get(ref)
-            except Exception:
-                pass
+        if unread:
+            ended_well(unread)
 
     def continue_on_ranks(self, ranks: list[int], config: RunConfig,
                           kept: bool) -> tuple[Checkpoint | None, list[int]]:
