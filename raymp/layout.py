@@ -1,5 +1,6 @@
 """The layout: how one run spreads over its actors (dp replicas x cp sequence shards x pp stages
-x tp shards, the ZeRO stage, micro-batches, the pipeline schedule).
+x tp shards, experts sharded over ep of the dp replicas, the ZeRO stage, micro-batches, the
+pipeline schedule).
 
 This module is the one authority on layouts. Config validation, the planner and `parallel:
 auto`, elastic re-planning, the workers and the driver all ask a `Layout` for its arithmetic
@@ -48,6 +49,9 @@ class ModelShape:
     # the model does not implement context parallelism.
     cp_heads: int | None = None
     experts: bool = False  # mixture-of-experts blocks (model.moe)
+    # Routed experts per block that expert parallelism can shard; None: the model has no
+    # expert-parallel plan (dense models, Hugging Face MoE families)
+    ep_experts: int | None = None
     kind: str = "the built-in model"
     layers_field: str = "model.n_layers"  # where the layer count is set, for messages
     sizes_in: str = ""  # where the tp_sizes are set, when not in the config's model section
@@ -59,7 +63,7 @@ class ModelShape:
                                    ("model.n_kv_heads", args.n_kv_heads, False),
                                    ("model.ffn_dim", args.ffn_dim, False),
                                    (vocab_name, args.vocab_size, True)), cp_heads=args.n_heads,
-                   experts=args.moe is not None)
+                   experts=args.moe is not None, ep_experts=args.moe.n_experts if args.moe else None)
 
 
 def padded_vocab(vocab: int, tp: int) -> int:
@@ -78,6 +82,7 @@ class LayoutRecord(TypedDict):
     tp: int
     zero: int
     world_size: int
+    ep: int
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,7 @@ class Layout:
     stage_layers: tuple[tuple[int, ...], ...] | None = None
     cp: int = 1  # context parallel (last: layouts are also built positionally)
     dp_replicate: int = 1  # HSDP: dp = dp_replicate x dp_shard; ZeRO shards inside each replica group
+    ep: int = 1  # expert parallel: each block's routed experts sharded over ep consecutive dp replicas
 
     @classmethod
     def of(cls, parallel) -> "Layout":
@@ -144,10 +150,22 @@ class Layout:
         return self.pp * self.stages_per_rank
 
     @property
+    def expert_replicas(self) -> int:
+        """Copies of each expert shard: the dp replicas over ep (the ranks an expert's gradient
+        averages over, each holding the same experts)."""
+        return self.dp // self.ep
+
+    @property
+    def dp_replica_holds_state(self) -> bool:
+        """Each dp replica holds the whole training state: ZeRO-0 without expert parallelism."""
+        return self.zero == 0 and self.ep == 1
+
+    @property
     def state_replicas(self) -> int:
-        """Whole copies of the training state the ranks hold: each dp replica under ZeRO-0, each
-        HSDP group (ZeRO shards inside it) under dp_replicate, else one."""
-        return self.dp if self.zero == 0 else self.dp_replicate
+        """Whole copies of the training state the ranks hold: under ZeRO-0 each group of ep dp
+        replicas (each replica without expert parallelism), each HSDP group (ZeRO shards inside
+        it) under dp_replicate, else one."""
+        return self.expert_replicas if self.zero == 0 else self.dp_replicate
 
     @property
     def ranks_per_copy(self) -> int:
@@ -174,7 +192,8 @@ class Layout:
     def settings_keeping(self, replicas: int) -> dict[str, int]:
         """The parallel settings that go on with `replicas` of its state replicas (the survivors')."""
         return (
-            {"dp": replicas} if self.zero == 0 else {"dp": replicas * self.dp_shard, "dp_replicate": replicas}
+            {"dp": replicas * self.ep} if self.zero == 0
+            else {"dp": replicas * self.dp_shard, "dp_replicate": replicas}
         )
 
     def micro_batches(self, global_batch: int) -> int:
@@ -191,12 +210,27 @@ class Layout:
 
     MESH_DIMS = ("dp", "cp", "pp", "tp")  # outermost first
 
+    @property
+    def mesh_degrees(self) -> tuple[int, ...]:
+        """Every degree device_mesh builds its meshes from: layouts equal in these share meshes."""
+        return (self.dp, self.dp_replicate, self.cp, self.pp, self.tp, self.ep)
+
     def coords(self, rank: int) -> dict[str, int]:
         """Rank -> position in the mesh (dp, cp, pp, tp). tp varies fastest so a TP group is
         contiguous ranks (and so lands in one node when bundles are packed per node); cp sits
         next to dp so the two flatten into the one data-parallel dimension gradients average over."""
         return {"dp": rank // (self.tp * self.pp * self.cp), "cp": rank // (self.tp * self.pp) % self.cp,
                 "pp": (rank // self.tp) % self.pp, "tp": rank % self.tp}
+
+    def ep_rank(self, rank: int) -> int:
+        """Which shard of each block's experts `rank` holds: ep is the innermost part of dp, so
+        an expert-parallel group is ep consecutive dp replicas (and a whole copy of the state
+        stays contiguous ranks, replica_of)."""
+        return self.coords(rank)["dp"] % self.ep
+
+    def local_batch(self, global_batch: int) -> int:
+        """Sequences each dp replica reads per step (the ranks of one replica read the same)."""
+        return global_batch // self.dp
 
     def rank_of(self, dp: int, pp: int, tp: int, cp: int = 0) -> int:
         return ((dp * self.cp + cp) * self.pp + pp) * self.tp + tp
@@ -211,9 +245,9 @@ class Layout:
     def text(self, detail: bool = False) -> str:
         """The layout as people read it; `detail` adds micro-batch size, schedule and options."""
         hsdp = f" ({self.dp_replicate}x{self.dp_shard} HSDP)" * (self.dp_replicate > 1)
-        core = (
-            f"dp={self.dp}{hsdp}{f' cp={self.cp}' * (self.cp > 1)} pp={self.pp} tp={self.tp} zero={self.zero}"
-        )
+        ep = f" (ep={self.ep})" * (self.ep > 1)
+        cp = f" cp={self.cp}" * (self.cp > 1)
+        core = f"dp={self.dp}{hsdp}{ep}{cp} pp={self.pp} tp={self.tp} zero={self.zero}"
         if not detail:
             return core
         extra = [f"mbs={self.micro_batch_size}"] + ([self.schedule] if self.pp > 1 else [])
@@ -227,19 +261,21 @@ class Layout:
     def tag(self) -> str:
         """The layout as an identifier (MLflow tag, run name)."""
         hsdp = f"-hsdp{self.dp_replicate}" * (self.dp_replicate > 1)
-        return f"dp{self.dp}{hsdp}{f'-cp{self.cp}' * (self.cp > 1)}-pp{self.pp}-tp{self.tp}-zero{self.zero}"
+        ep = f"-ep{self.ep}" * (self.ep > 1)
+        cp = f"-cp{self.cp}" * (self.cp > 1)
+        return f"dp{self.dp}{hsdp}{ep}{cp}-pp{self.pp}-tp{self.tp}-zero{self.zero}"
 
     def record(self) -> LayoutRecord:
         """What checkpoints, restart events and MLflow record: enough to reshard from."""
         return LayoutRecord(dp=self.dp, dp_replicate=self.dp_replicate, cp=self.cp, pp=self.pp, tp=self.tp,
-                            zero=self.zero, world_size=self.world_size)
+                            zero=self.zero, world_size=self.world_size, ep=self.ep)
 
     @classmethod
     def from_record(cls, record: LayoutRecord) -> "Layout":
-        """A record read back (a checkpoint's marker, a restart event); one written before cp and
-        dp_replicate existed has neither (1)."""
+        """A record read back (a checkpoint's marker, a restart event); one written before cp,
+        dp_replicate and ep existed has none of them (1)."""
         return cls(record["dp"], record["pp"], record["tp"], record["zero"], cp=record.get("cp", 1),
-                   dp_replicate=record.get("dp_replicate", 1))
+                   dp_replicate=record.get("dp_replicate", 1), ep=record.get("ep", 1))
 
     def as_parallel(self) -> dict:
         """The config's `parallel` section for this layout."""
@@ -259,7 +295,8 @@ class Layout:
     def problems(self, shape: ModelShape, global_batch: int, seq_len: int,
                  devices_per_node: int | None = None) -> list[str]:
         """Every reason this layout cannot run this model at this batch, most basic first."""
-        return [*self._data_parallel_problems(), *self._tensor_problems(shape, seq_len, devices_per_node),
+        return [*self._data_parallel_problems(), *_expert_problems(self, shape),
+                *self._tensor_problems(shape, seq_len, devices_per_node),
                 *_context_problems(self, shape, seq_len), *self._pipeline_problems(shape),
                 *_batch_problems(self, global_batch)]
 
@@ -342,7 +379,8 @@ def device_mesh(layout: Layout, device_type: str) -> dict:
     """The device mesh by role: "cp", "pp", "tp", and "data", the data-parallel ranks that
     gradients average over and ZeRO shards over: dp, or dp and cp flattened into one; under
     HSDP a 2-D mesh (replicate, shard), which FSDP2 reads as shard along the second dimension,
-    replicate along the first."""
+    replicate along the first. Under expert parallelism also "ep" (the ranks that split each
+    block's experts) and "expert_data" (the ranks that hold the same expert shard)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from raymp.torch_compat import flatten_mesh, unflatten_mesh
@@ -364,7 +402,40 @@ def device_mesh(layout: Layout, device_type: str) -> dict:
         device_type, (layout.dp, layout.cp, layout.pp, layout.tp), mesh_dim_names=layout.MESH_DIMS
     )
     data = flatten_mesh(mesh["dp", "cp"], "dp_cp") if layout.cp > 1 else mesh["dp"]
-    return {"data": data, "cp": mesh["cp"], "pp": mesh["pp"], "tp": mesh["tp"]}
+    roles = {"data": data, "cp": mesh["cp"], "pp": mesh["pp"], "tp": mesh["tp"]}
+    if layout.ep > 1:  # ep innermost in dp (Layout.ep_rank); "expert_data": the copies of one expert shard
+        split = unflatten_mesh(mesh["dp"], 0, (layout.expert_replicas, layout.ep), ("expert_data", "ep"))
+        roles.update(ep=split["ep"], expert_data=split["expert_data"])
+    return roles
+
+
+def _expert_problems(layout: Layout, shape: ModelShape):
+    """Layout's rules on expert parallelism: what ep shards and which layouts it runs with."""
+    ep = layout.ep
+    if ep == 1:
+        return
+    if not shape.experts:
+        yield (f"parallel.ep ({ep}) shards mixture-of-experts blocks, and {shape.kind} has none: set "
+               "parallel.ep=1, or pick an MoE model (model.moe or model.preset tiny-moe)")
+        return
+    if shape.ep_experts is None:
+        yield (f"parallel.ep > 1 is implemented for the built-in model's MoE blocks, not {shape.kind}: set "
+               "parallel.ep=1 and spread the model with parallel.pp or parallel.zero")
+        return
+    if shape.ep_experts % ep:
+        yield (f"parallel.ep ({ep}) must divide model.moe.n_experts ({shape.ep_experts}): each ep rank holds "
+               "an equal share of every block's experts; change parallel.ep")
+    if layout.dp % ep:
+        yield (f"parallel.ep ({ep}) must divide parallel.dp ({layout.dp}): expert parallelism shards experts "
+               f"over ep of the dp replicas; set parallel.dp to a multiple of {ep}")
+    if layout.zero == 1:
+        yield ("parallel.zero=1 (ZeroRedundancyOptimizer) does not take expert-parallel (DTensor) "
+               "parameters; use parallel.zero=2 (same memory for optimizer state, plus sharded gradients) "
+               "or 0")
+    # (tp and cp with MoE blocks are refused for every MoE layout: _tensor_problems, _context_problems)
+    if layout.dp_replicate > 1:
+        yield ("parallel.ep > 1 with HSDP (parallel.dp_replicate > 1) is not built yet; set "
+               "parallel.dp_replicate=1 (ZeRO 2/3 then shard over all of dp), or parallel.ep=1")
 
 
 def _context_problems(layout: Layout, shape: ModelShape, seq_len: int):

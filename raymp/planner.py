@@ -43,12 +43,13 @@ def zero_model_states(psi: float, stage: int, n: int, param_bytes: int = 2, grad
 # -- model arithmetic ---------------------------------------------------------------------------
 
 
-def stage_params(args, layers: list[int], first: bool, last: bool, tp: int) -> float:
-    """Parameters one rank holds for a stage: sharded ones divided by tp."""
+def stage_params(args, layers: list[int], first: bool, last: bool, tp: int, ep: int = 1) -> float:
+    """Parameters one rank holds for a stage: routed experts divided by ep, other sharded ones by tp."""
     total = 0.0
     for layer in layers:
         sharded, replicated = args.layer_params(layer)
-        total += sharded / tp + replicated
+        experts = args.routed_expert_params(layer)
+        total += (sharded - experts) / tp + experts / ep + replicated
     vocab = args.vocab_size * args.dim / tp
     if first:
         total += vocab
@@ -58,18 +59,19 @@ def stage_params(args, layers: list[int], first: bool, last: bool, tp: int) -> f
 
 
 def activation_elements_per_token(args, tp: int, sequence_parallel: bool,
-                                  layer: int | None = None) -> tuple[float, float, float]:
+                                  layer: int | None = None, ep: int = 1) -> tuple[float, float, float]:
     """(elements of attention and the MLP, elements of the norms and the residual stream, elements
     of a block's input) that autograd keeps per token per block. Counted from what this model's
     block saves for backward (ActivationMeter on blocks of several shapes): 10·dim + 4·ffn_dim +
     n_heads + 2 per token, of which 6·dim + 2 belong to the two norms and the residual stream (not
     split by TP, split by SP) and the rest to attention and the MLP (split by TP). An MoE block's
-    MLP keeps MoEArgs.saved_elements_per_token in place of 4·ffn_dim. `layer`: that block's
-    (None: the mean block)."""
+    MLP keeps MoEArgs.saved_elements_per_token (at expert-parallel degree `ep`) in place of
+    4·ffn_dim. `layer`: that block's (None: the mean block)."""
     norms = 6 * args.dim + 2
     layers = range(args.n_layers) if layer is None else [layer]
     moe = [args.moe is not None and args.moe.is_moe_layer(i) for i in layers]
-    mlp = sum(args.moe.saved_elements_per_token(args.dim) if m else 4 * args.ffn_dim for m in moe) / len(moe)
+    mlp = sum(args.moe.saved_elements_per_token(args.dim, ep) if m else 4 * args.ffn_dim
+              for m in moe) / len(moe)
     inner = 4 * args.dim + mlp + args.n_heads
     stream = norms / tp + 2 * args.dim if sequence_parallel else norms
     return inner / tp, stream, args.dim / (tp if sequence_parallel else 1)
@@ -151,12 +153,11 @@ def estimate(args, layout: Layout, global_batch: int, seq_len: int, bf16: bool,
     tokens = layout.micro_batch_size * seq_len / layout.cp  # a cp rank holds its slice of every sequence
 
     def per_block(layer: int | None = None) -> float:  # bytes per token
-        inner, stream, _ = activation_elements_per_token(args, tp, layout.sequence_parallel, layer)
+        inner, stream, _ = activation_elements_per_token(args, tp, layout.sequence_parallel, layer, layout.ep)
         return inner * act_bytes + stream * stream_bytes
 
-    def block_copy(layer: int | None = None) -> float:  # a block's matrices in bf16 (under autocast)
-        sharded, replicated = args.layer_params(layer)
-        return 2 * (sharded / tp + replicated) if autocast else 0.0
+    def block_copy(layer: int) -> float:  # a block's matrices in bf16 (under autocast)
+        return 2 * stage_params(args, [layer], False, False, tp, layout.ep) if autocast else 0.0
 
     block_input = activation_elements_per_token(args, tp, layout.sequence_parallel)[2]
     largest = max(range(args.n_layers), key=lambda i: args.layer_params(i)[0])
@@ -164,8 +165,12 @@ def estimate(args, layout: Layout, global_batch: int, seq_len: int, bf16: bool,
     for rank in range(pp):
         mine = local_stages(rank, pp, len(layers), layout.schedule) if pp > 1 else [0]
         first, last = 0 in mine, len(layers) - 1 in mine
-        psi = sum(stage_params(args, layers[s], s == 0, s == len(layers) - 1, tp) for s in mine)
-        p, g, o, working = _model_state(psi, layout.zero, layout.zero_shards, bf16)
+        psi = sum(stage_params(args, layers[s], s == 0, s == len(layers) - 1, tp, layout.ep) for s in mine)
+        # ZeRO shards a rank's share of the routed experts over the ranks holding the same ones
+        experts = sum(args.routed_expert_params(layer) for s in mine for layer in layers[s]) / layout.ep
+        p, g, o, working = (dense + routed for dense, routed in zip(
+            _model_state(psi - experts, layout.zero, layout.zero_shards, bf16),
+            _model_state(experts, layout.zero, layout.zero_shards // layout.ep, bf16)))
         held = [layer for s in mine for layer in layers[s]]
         n_blocks = len(held)
         per_mb = (n_blocks * block_input * stream_bytes if layout.activation_checkpointing
@@ -181,8 +186,7 @@ def estimate(args, layout: Layout, global_batch: int, seq_len: int, bf16: bool,
         activations = in_flight(layout.schedule, pp, rank, micro) * (per_mb * tokens + weight_copies)
         buffers = 0.0
         if layout.zero == 3:  # one block gathered, one prefetched
-            sharded, replicated = args.layer_params(largest)
-            buffers += 2 * (sharded / tp + replicated) * (2 if bf16 else 4)
+            buffers += 2 * stage_params(args, [largest], False, False, tp, layout.ep) * (2 if bf16 else 4)
         if layout.zero == 2 and pp > 1:  # the pipeline reshards after backward: transient
             buffers += working
         else:
@@ -245,8 +249,9 @@ def proposals(cluster: Cluster, shape: ModelShape, seq_len: int, micro_batch_siz
     """The layouts worth judging on `cluster`: no no-ops (ZeRO at dp=1 changes nothing), and
     sequence parallelism wherever the model and sequence length allow it with tp > 1; context
     parallelism over ranks the data dimension would otherwise take (what makes a long sequence
-    fit); on several nodes, FSDP also as HSDP (a replica per node). The layout rules drop what
-    cannot run (a cp the sequence or the model does not divide by)."""
+    fit); on several nodes, FSDP also as HSDP (a replica per node); for MoE models, experts
+    sharded over ep of the dp replicas. The layout rules drop what cannot run (a cp the sequence
+    or the model does not divide by, an ep the experts do not divide into)."""
     world = cluster.world
     for tp in _divisors(cluster.gpus_per_node):
         sp = tp > 1 and shape.sequence_parallel and seq_len % tp == 0
@@ -260,7 +265,7 @@ def proposals(cluster: Cluster, shape: ModelShape, seq_len: int, micro_batch_siz
                         and dp % cluster.nodes == 0
                         and dp > cluster.nodes
                     )
-                    for replicate in (1, cluster.nodes) if hsdp else (1,):
+                    for replicate, ep in _data_splits(cluster, shape, dp, hsdp):
                         for mbs in micro_batch_sizes:
                             for ac in (False, True):
                                 yield Layout(
@@ -273,7 +278,18 @@ def proposals(cluster: Cluster, shape: ModelShape, seq_len: int, micro_batch_siz
                                     sequence_parallel=sp,
                                     dp_replicate=replicate,
                                     cp=cp,
+                                    ep=ep,
                                 )
+
+
+def _data_splits(cluster: Cluster, shape: ModelShape, dp: int, hsdp: bool):
+    """(dp_replicate, ep) pairs to try for `dp` replicas: HSDP's replica per node where it applies,
+    and for a model whose experts expert parallelism can shard, every ep that divides dp."""
+    yield 1, 1
+    if hsdp:
+        yield cluster.nodes, 1
+    for ep in _divisors(dp)[1:] if shape.ep_experts else ():
+        yield 1, ep
 
 
 def usable_bytes(cluster: Cluster) -> float:

@@ -52,7 +52,7 @@ def cluster_from_config(c) -> Cluster:
 # What each cost factor scales: the communication term of one mechanism. TP's term is "sp" when
 # sequence parallelism replaces its all-reduces; data parallelism's is "ddp" at ZeRO 0/1, "fsdp" at 2/3.
 COST_TERMS = {"ddp": "dp_comm_s", "fsdp": "dp_comm_s", "tp": "tp_comm_s", "sp": "tp_comm_s",
-              "cp": "cp_comm_s", "pp": "pp_comm_s"}
+              "cp": "cp_comm_s", "pp": "pp_comm_s", "ep": "ep_comm_s"}
 
 
 def cost_terms(layout: Layout) -> list[str]:
@@ -62,7 +62,7 @@ def cost_terms(layout: Layout) -> list[str]:
         keys.append("fsdp" if layout.fsdp else "ddp")
     if layout.tp > 1:
         keys.append("sp" if layout.sequence_parallel else "tp")
-    keys += [k for k, n in (("cp", layout.cp), ("pp", layout.pp)) if n > 1]
+    keys += [k for k, n in (("cp", layout.cp), ("pp", layout.pp), ("ep", layout.ep)) if n > 1]
     return keys
 
 
@@ -81,7 +81,8 @@ def step_seconds(args, layout: Layout, cluster: Cluster, global_batch: int, seq_
                  bf16: bool = True) -> dict:
     """Compute (6·Ψ·tokens + attention, x4/3 with recomputation) spread over every device at the
     achievable MFU, stretched by the pipeline bubble, plus exposed TP all-reduces (inside a
-    node), context parallelism's all-to-alls, the pipeline's activation sends between stages,
+    node), context parallelism's all-to-alls, expert parallelism's (each routed copy of a token
+    to its expert's rank and back, in forward and backward), the pipeline's activation sends between stages,
     and data parallelism over dp x cp (across nodes when it spans them): the gradient reduction
     (DDP: once per step; FSDP: a reduce-scatter per micro-batch) and FSDP's parameter gathers
     (ZeRO-2: once per step; ZeRO-3: forward and backward of every micro-batch). Activations
@@ -128,7 +129,17 @@ def step_seconds(args, layout: Layout, cluster: Cluster, global_batch: int, seq_
     dp_time = 0.0
     if layout.data_parallel_size > 1:
         dp_time = _data_parallel_seconds(args, layout, cluster, micro, act, spans_nodes)
-    comm = {"tp_comm_s": tp_time, "cp_comm_s": cp_time, "pp_comm_s": pp_time, "dp_comm_s": dp_time}
+    ep_time = 0.0
+    if layout.ep > 1:  # per MoE block: dispatch and combine all-to-all forward, both again in backward
+        blocks = sum(args.routed_expert_params(i) > 0 for i in range(args.n_layers)) / layout.pp
+        rows = layout.micro_batch_size * local_seq * args.moe.top_k  # routed copies a rank sends
+        group_ranks = layout.ep * layout.world_size // layout.dp  # ep replicas of the other dimensions
+        spans = group_ranks > cluster.gpus_per_node
+        bw = (cluster.inter_node_gbps if spans else cluster.intra_node_gbps) * GB
+        ep_time = micro * 4 * blocks * (rows * args.dim * act * (layout.ep - 1) / layout.ep / bw
+                                         + cluster.message_latency_s)
+    comm = {"tp_comm_s": tp_time, "cp_comm_s": cp_time, "pp_comm_s": pp_time, "dp_comm_s": dp_time,
+            "ep_comm_s": ep_time}
     for key in cost_terms(layout):
         comm[COST_TERMS[key]] *= cluster.cost_factors.get(key, 1.0)
     total = compute + sum(comm.values())
@@ -143,7 +154,9 @@ def _data_parallel_seconds(
     per micro-batch, and parameter all-gathers (ZeRO-2 once per step, ZeRO-3 in forward and
     backward of every micro-batch), inside the shard group; under HSDP the sharded gradients are
     then all-reduced across the replicas. Half is taken as hidden behind compute."""
-    values = args.num_params / (layout.pp * layout.tp)  # this rank's stage of the model, whole
+    # this rank's stage of the model, whole but for its 1/ep of the routed experts
+    experts = sum(args.routed_expert_params(i) for i in range(args.n_layers)) * (1 - 1 / layout.ep)
+    values = (args.num_params - experts) / (layout.pp * layout.tp)
     ranks, shards = layout.data_parallel_size, layout.zero_shards
     bw = (cluster.inter_node_gbps if spans_nodes else cluster.intra_node_gbps) * GB
     blocks = args.n_layers / layout.pp

@@ -37,20 +37,10 @@ def _valid_keys(loc: tuple) -> list[str]:
     return sorted(model.model_fields)
 
 
-# Keys a user of another trainer may reach for, which raymp does not have yet: why, and what to do.
-NOT_BUILT = {
-    "parallel.ep": ("expert parallelism is not built yet (every rank holds all experts of its pipeline "
-                    "stage); spread a mixture-of-experts model with parallel.pp and parallel.zero"),
-}
-
-
 def _format_validation_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid config ({source}):"]
     for e in err.errors():
         where = ".".join(str(x) for x in e["loc"]) or "<root>"
-        if e["type"] == "extra_forbidden" and where in NOT_BUILT:
-            lines.append(f"  {where}: {NOT_BUILT[where]}")
-            continue
         if e["type"] == "extra_forbidden":
             keys = _valid_keys(e["loc"])
             lines.append(f"  {where}: unknown key; valid keys here: {', '.join(keys)}")

@@ -4,7 +4,7 @@ not restated."""
 
 from __future__ import annotations
 
-from raymp.layout import runs_on_fsdp
+from raymp.layout import Layout, runs_on_fsdp
 from raymp.models.shape import TOKENIZER_VOCAB, model_shape
 from raymp.storage import default_tracking_uri
 
@@ -49,12 +49,14 @@ def check_run(cfg) -> None:
             "lower train.seq_len or raise model.max_seq_len"
         )
     if cfg.elastic.keep_survivors and not survivors_keep_state(
-        p.zero, p.layout.state_replicas, cfg.elastic.peer_copy_every
+        p.layout, p.layout.state_replicas, cfg.elastic.peer_copy_every
     ):  # asked for explicitly (unset: on only where the layout allows it, keeps_survivors)
+        shards = f"parallel.ep={p.ep} shards the experts" if p.ep > 1 else f"zero={p.zero} shards it"
         raise ValueError(
             "elastic.keep_survivors needs a second whole copy of the training state, but "
-            f"zero={p.zero} shards it over every dp rank, so a loss leaves none whole; set "
-            "parallel.zero=0 (each dp replica holds it), HSDP with parallel.dp_replicate >= 2 "
+            f"{shards} over every dp rank, so a loss leaves none whole; set "
+            "parallel.zero=0 (each dp replica holds it; with parallel.ep, dp >= 2 x ep), HSDP with "
+            "parallel.dp_replicate >= 2 "
             "(each group holds it), elastic.peer_copy_every (the survivors reload the peer copy), "
             "or elastic.keep_survivors=false (restart from the checkpoint)"
         )
@@ -165,15 +167,16 @@ def keeps_survivors(cfg) -> bool:
     if cfg.elastic.keep_survivors is not None:
         return cfg.elastic.keep_survivors
     p = cfg.parallel
-    return survivors_keep_state(p.zero, p.layout.state_replicas, cfg.elastic.peer_copy_every)
+    return survivors_keep_state(p.layout, p.layout.state_replicas, cfg.elastic.peer_copy_every)
 
 
-def survivors_keep_state(zero: int, state_replicas: int, peer_copy_every: int | None) -> bool:
+def survivors_keep_state(layout: Layout, state_replicas: int, peer_copy_every: int | None) -> bool:
     """Whether the survivors of a node loss still hold the training state to go on from: every dp
-    replica holds it under ZeRO-0; under ZeRO 1-3 a second whole copy (HSDP groups) or the peer
-    copies (elastic.peer_copy_every) must. The rule elastic.keep_survivors needs, at start and
-    at every resize (elastic.with_replicas)."""
-    return zero == 0 or state_replicas >= 2 or bool(peer_copy_every)
+    replica holds it under ZeRO-0 without expert parallelism; otherwise a second whole copy
+    (`state_replicas`: HSDP groups, groups of ep replicas) or the peer copies
+    (elastic.peer_copy_every) must. The rule elastic.keep_survivors needs, at start and at every
+    resize (elastic.with_replicas, which passes the copies it resizes to)."""
+    return layout.dp_replica_holds_state or state_replicas >= 2 or bool(peer_copy_every)
 
 
 def compiles(cfg, device_type: str) -> bool:

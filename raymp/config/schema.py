@@ -21,7 +21,8 @@ class ConfigError(ValueError):
 
 class ParallelConfig(Strict):
     """How the model is spread: dp replicas x cp sequence shards x pp stages x tp shards, ZeRO
-    stage on dp (and cp: its ranks hold the same parameters), optionally HSDP (dp_replicate)."""
+    stage on dp (and cp: its ranks hold the same parameters), optionally HSDP (dp_replicate),
+    MoE experts sharded over ep of the dp replicas."""
 
     dp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
@@ -36,6 +37,8 @@ class ParallelConfig(Strict):
     )
     cp: int = Field(1, ge=1, description="context parallel: each sequence split over cp ranks, attention "
                     "by all-to-all over heads (Ulysses); the built-in model")
+    ep: int = Field(1, ge=1, description="expert parallel: each MoE block's routed experts sharded over ep "
+                    "consecutive dp replicas, tokens sent to their experts by all-to-all (ep divides dp)")
     micro_batch_size: int = Field(1, ge=1, description="sequences per micro-batch per replica")
     activation_checkpointing: bool = False
     sequence_parallel: bool = Field(False, description="with tp > 1: shard norms' activations by sequence")

@@ -89,7 +89,7 @@ def with_replicas(cfg: RunConfig, replicas: int) -> RunConfig:
     keeping = cfg.parallel.layout.settings_keeping(replicas)
     overrides = [f"parallel.{k}={v}" for k, v in keeping.items()]
     if cfg.elastic.keep_survivors and not survivors_keep_state(
-        cfg.parallel.zero, replicas, cfg.elastic.peer_copy_every
+        cfg.parallel.layout, replicas, cfg.elastic.peer_copy_every
     ):
         overrides.append("elastic.keep_survivors=null")
     return config_from_dict(resolved_dict(cfg), overrides)

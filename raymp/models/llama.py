@@ -53,6 +53,13 @@ class ModelArgs:
         attention = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         return attention + self._mlp_params(active=False, layer=layer), 2 * self.dim
 
+    def routed_expert_params(self, layer: int) -> int:
+        """Parameters of block `layer`'s routed experts (0 in a dense block): what expert
+        parallelism shards."""
+        if self.moe is None or not self.moe.is_moe_layer(layer):
+            return 0
+        return self.moe.n_experts * 3 * self.dim * self.moe.expert_ffn_dim
+
     def _params(self, linear: float) -> int:
         vocab = self.vocab_size * self.dim
         return round(

@@ -41,15 +41,24 @@ class MoEArgs:
         router, shared = dim * self.n_experts, self.n_shared_experts * expert
         return router + shared + self.n_experts * expert, router + shared + self.top_k * expert
 
-    def saved_elements_per_token(self, dim: int) -> float:
+    def saved_elements_per_token(self, dim: int, ep: int = 1) -> float:
         """Elements autograd keeps per token for one MoE block's backward, beyond its input:
         router scores (n), the k gathered copies of the token and the expert outputs before
         weighting (3k·dim), each expert's three hidden activations and their product (4k·h), the
         shared experts' (4·shared·h), and the routing indices (int64: 8k + 2 in 4-byte units).
-        Fitted on ActivationMeter counts over 24 block shapes (residual < 0.01 per token)."""
+        Fitted on ActivationMeter counts over 24 block shapes (residual < 0.01 per token). Under
+        expert parallelism the experts' side (an input row and 4h per routed copy) is priced at
+        the most a rank can receive (received_share)."""
         h = self.expert_ffn_dim
         return self.n_experts + 3 * self.top_k * dim + 4 * self.top_k * h + 4 * self.n_shared_experts * h \
-            + 8 * self.top_k + 2
+            + 8 * self.top_k + 2 + (self.received_share(ep) - 1) * self.top_k * (dim + 4 * h)
+
+    def received_share(self, ep: int) -> float:
+        """Under expert parallelism, the most routed rows a rank's experts can receive over the
+        k per token of balanced routing: each of the ep ranks' tokens can send min(k, n/ep)
+        copies to them (dropless routing has no capacity to cap it). A router that collapses onto
+        one rank's experts reaches it; the planner prices that, so no routing runs out of memory."""
+        return 1.0 if ep == 1 else ep * min(self.top_k, self.n_experts // ep) / self.top_k
 
 
 def uses_grouped_mm(x: torch.Tensor) -> bool:
@@ -86,8 +95,15 @@ class RoutedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n, hidden, dim))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        h = F.silu(expert_matmul(x, self.w1, counts)) * expert_matmul(x, self.w3, counts)
-        return expert_matmul(h, self.w2, counts)
+        """x: tokens sorted by expert; counts: tokens per expert."""
+        return swiglu_experts(x, counts, self.w1, self.w3, self.w2)
+
+
+def swiglu_experts(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                   w2: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of each expert's rows of x (sorted by expert, counts[e] rows each) with its weights."""
+    h = F.silu(expert_matmul(x, w1, counts)) * expert_matmul(x, w3, counts)
+    return expert_matmul(h, w2, counts)
 
 
 class Router(nn.Module):

@@ -68,7 +68,8 @@ def model_shape(model_cfg, vocab_size: int | None, tokenizer: str | None = None)
     return ModelShape(model_cfg.n_layers, (("model.n_heads", model_cfg.n_heads, False),
                                            ("model.n_kv_heads", model_cfg.n_kv_heads, False),
                                            ("model.ffn_dim", model_cfg.ffn_dim, False), *vocab_entry),
-                      cp_heads=model_cfg.n_heads, experts=model_cfg.moe is not None)
+                      cp_heads=model_cfg.n_heads, experts=model_cfg.moe is not None,
+                      ep_experts=model_cfg.moe.n_experts if model_cfg.moe is not None else None)
 
 
 def probed_shape(model: dict) -> dict:

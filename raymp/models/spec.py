@@ -114,9 +114,12 @@ def tie_weights(model: nn.Module, spec: ModelSpec) -> None:
 
 
 def build_part(spec: ModelSpec, device, prune=None, tp_mesh=None, sequence_parallel: bool = False,
-               values: Callable | None = None, fill: bool = True) -> nn.Module:
+               values: Callable | None = None, fill: bool = True,
+               shard: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """This rank's part of the model, materialised shard by shard (see the module docstring).
     `values(name, shape)` overrides the spec's initial values (weights read from disk).
+    `shard(model)`: more parallelism that turns parameters into DTensors, applied on meta after
+    tensor parallelism (expert parallelism).
     `fill=False`: every value is loaded right after (a survivor's state kept in memory), so
     none is computed or read; the parameters are zeros until then."""
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -127,6 +130,8 @@ def build_part(spec: ModelSpec, device, prune=None, tp_mesh=None, sequence_paral
         prune(model)
     if tp_mesh is not None:
         spec.tensor_parallel(model, tp_mesh, sequence_parallel)
+    if shard is not None:
+        shard(model)
     model.to_empty(device=device)
     tie_weights(model, spec)
     value_of = values or spec.initial_value

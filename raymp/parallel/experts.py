@@ -1,13 +1,93 @@
-"""Mixture-of-experts routing statistics across ranks: the replicas that split a global batch
-each count the tokens their micro-batches sent to each expert; the bias update and the metrics
-need the global batch's counts (raymp.models.moe.finish_routing)."""
+"""Expert parallelism, and mixture-of-experts routing statistics across ranks.
+
+Expert parallelism borrows the data-parallel ranks (torchtitan's choice; docs/design.md): ep
+consecutive dp replicas split each block's routed experts, each holding n/ep of them as the
+local piece of a DTensor sharded along the expert dimension, so checkpoints reshard across ep
+degrees like any other sharded tensor. The router, attention and shared experts stay replicated.
+Each rank routes its own tokens as before, then an all-to-all sends every routed copy of a token
+to the rank holding its expert, the experts run on what they received, and a second all-to-all
+brings the results back in the order the block expects (autograd runs both in reverse).
+
+The expert weights' gradients then hold the contributions of every token of the ep group; the
+data-parallel engine averages them over the ranks holding the same shard ("expert_data") and
+divides by dp, as every other gradient is averaged over dp (raymp.parallel.zero).
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from raymp.models.moe import finish_routing
+from raymp.models.moe import RoutedExperts, finish_routing, moe_blocks, swiglu_experts
+
+EXPERT_WEIGHTS = ("w1", "w3", "w2")
+
+
+class ExpertParallelExperts(RoutedExperts):
+    """RoutedExperts whose weights are this rank's share of the experts (DTensors sharded over
+    the ep mesh). Takes and returns what RoutedExperts does: the rank's own routed tokens sorted
+    by expert, and the experts' outputs in the same order."""
+
+    ep_group: dist.ProcessGroup
+    ep: int
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ep, per_rank = self.ep, counts.numel() // self.ep
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.ep_group)  # [source rank, local expert]
+        received = received.view(ep, per_rank)
+        sent_splits = counts.view(ep, per_rank).sum(1).tolist()
+        received_splits = received.sum(1).tolist()
+        tokens = all_to_all_single(x.new_empty(sum(received_splits), x.shape[1]), x,
+                                   received_splits, sent_splits, group=self.ep_group)
+        # The received rows come by source rank, then by expert: the experts need them by expert.
+        expert_of_row = torch.arange(per_rank, device=x.device).repeat(ep).repeat_interleave(
+            received.flatten())
+        order = expert_of_row.argsort(stable=True)
+        weights = [w.to_local() for w in (self.w1, self.w3, self.w2)]
+        out = run_local_experts(tokens[order], received.sum(0), weights)
+        out = out.new_empty(out.shape).index_copy(0, order, out)  # back to the order they came in
+        return all_to_all_single(x.new_empty(x.shape[0], out.shape[1]), out, sent_splits, received_splits,
+                                 group=self.ep_group)
+
+
+def run_local_experts(rows: torch.Tensor, counts: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    """This rank's experts on the rows they received. A router can send a rank's experts no row
+    at all (one that collapses onto another rank's experts), and the grouped GEMM's backward
+    fails on none: one zero row then runs instead and is cut off, so the experts' gradients are
+    zeros, as every rank of the expert_data group must hold for their all-reduce."""
+    if rows.shape[0]:
+        return swiglu_experts(rows, counts, *weights)
+    one = counts.clone()
+    one[0] = 1
+    return swiglu_experts(rows.new_zeros(1, rows.shape[1]), one, *weights)[:0]
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
+    """Shard every MoE block's routed experts of `model` (built on meta, before it is allocated)
+    over `ep_mesh`. Parameter names stay those of the plain model."""
+    for block in moe_blocks(model).values():
+        experts = block.experts
+        for name in EXPERT_WEIGHTS:
+            weight = getattr(experts, name)
+            sharded = distribute_tensor(weight.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
+            experts.register_parameter(name, nn.Parameter(sharded))
+        experts.__class__ = ExpertParallelExperts  # as fully_shard does: same module, parallel forward
+        experts.ep_group, experts.ep = ep_mesh.get_group(), ep_mesh.size()
+
+
+def expert_modules(module: nn.Module) -> list[ExpertParallelExperts]:
+    """The expert-parallel experts of `module` (FSDP2 shards them over "expert_data")."""
+    return [m for m in module.modules() if isinstance(m, ExpertParallelExperts)]
+
+
+def expert_weights(modules) -> list[torch.Tensor]:
+    """The expert-parallel weights of `modules` (their gradients average over "expert_data")."""
+    return [p for m in modules for p in m.parameters()
+            if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("ep",)]
 
 
 def finish_expert_step(blocks: dict, data_mesh) -> dict:

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raymp.layout import runs_on_fsdp
+from raymp.parallel.experts import expert_modules, expert_weights
 from raymp.optim import adamw_kwargs, build_optimizer, param_groups
 from raymp.torch_compat import flatten_dense_tensors, unflatten_dense_tensors
 
@@ -193,10 +194,14 @@ class DDPEngine(DataParallelEngine):
     after backward: the same traffic, without the overlap."""
 
     def __init__(self, modules: list[nn.Module], dp_mesh, opt_cfg, zero: int, device: torch.device,
-                 wrap: bool = True, sync_initial: bool = True):
+                 wrap: bool = True, sync_initial: bool = True, expert_data=None):
         self.modules, self.device = modules, device
         self.dp_group = dp_mesh.get_group()
         self.dp_size = dp_mesh.size()
+        # Expert-parallel weights: their gradients average over the ranks holding the same
+        # experts (raymp.parallel.experts), every other one over dp.
+        self.expert_group = expert_data.get_group() if expert_data is not None else None
+        self.expert_ids = {id(p) for p in expert_weights(modules)} if expert_data is not None else set()
         # One replica has nothing to reduce: DDP would only add its buckets, a gradient-sized
         # block kept between steps (a dp=1 rank held 16 bytes per parameter between steps
         # instead of 12). torchtitan, too, applies DDP only when the replicate degree is above 1.
@@ -233,14 +238,22 @@ class DDPEngine(DataParallelEngine):
             return
 
         for module in self.modules:
-            grads = [local_tensor(p.grad) for p in module.parameters() if p.grad is not None]
-            if not grads:
-                continue
-            flat = flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=self.dp_group)
-            flat.div_(self.dp_size)
-            for g, reduced in zip(grads, unflatten_dense_tensors(flat, grads)):
-                g.copy_(reduced)
+            with_grads = [p for p in module.parameters() if p.grad is not None]
+            self._average([p for p in with_grads if id(p) not in self.expert_ids], self.dp_group)
+            self._average([p for p in with_grads if id(p) in self.expert_ids], self.expert_group)
+
+    def _average(self, params, group) -> None:
+        """Sum the gradients of `params` over `group` in one flat all-reduce, then divide by dp
+        (an expert's gradient already sums its whole ep group's tokens)."""
+        grads = [local_tensor(p.grad) for p in params]
+        if not grads:
+            return
+        flat = flatten_dense_tensors(grads)
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(flat, group=group)
+        flat.div_(self.dp_size)
+        for g, reduced in zip(grads, unflatten_dense_tensors(flat, grads)):
+            g.copy_(reduced)
 
     def local_optimizer(self) -> torch.optim.Optimizer:
         return getattr(self.optimizer, "optim", self.optimizer)  # ZeRO-1: this rank's shard
@@ -248,7 +261,7 @@ class DDPEngine(DataParallelEngine):
 
 class FSDPEngine(DataParallelEngine):
     def __init__(self, modules: list[nn.Module], dp_mesh, opt_cfg, zero: int, device: torch.device, mp_dtype,
-                 block_names, reshard_after_forward: bool):
+                 block_names, reshard_after_forward: bool, expert_data=None):
         self.zero, self.device = zero, device
         mp = (
             MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32)
@@ -260,6 +273,9 @@ class FSDPEngine(DataParallelEngine):
         if offload is not None:
             kwargs["offload_policy"] = offload
         for module in modules:
+            if expert_data is not None:  # expert-parallel experts: see finish_gradients
+                for experts in expert_modules(module):
+                    fully_shard(experts, **{**kwargs, "mesh": expert_data})
             for name in block_names(module):  # one FSDP unit per transformer block, then the root
                 fully_shard(module.get_submodule(name), **kwargs)
             fully_shard(module, **kwargs)
@@ -270,6 +286,19 @@ class FSDPEngine(DataParallelEngine):
                 module.set_reshard_after_backward(False)
         self.modules = self.models = modules  # fully_shard wraps in place
         self.optimizer = build_optimizer([p for m in modules for p in m.parameters()], opt_cfg)
+        # Expert-parallel experts are sharded over the ranks holding the same experts, whose
+        # reduce-scatter averages over those dp / ep ranks; their gradients already sum the
+        # tokens of the whole ep group, so a further 1/ep makes it the dp average every other
+        # gradient is. (FSDP2's set_gradient_divide_factor would do it in the reduce-scatter,
+        # with a PREMUL_SUM that gloo does not have.)
+        self.expert_grads_scale = expert_data.size() / dp_mesh.size() if expert_data is not None else 1.0
+        self.expert_params = [p for m in modules for e in expert_modules(m) for p in e.parameters()]
+
+    def finish_gradients(self) -> None:
+        super().finish_gradients()
+        for p in self.expert_params:
+            if p.grad is not None:
+                local_tensor(p.grad).mul_(self.expert_grads_scale)
 
     def after_optimizer_step(self) -> None:
         if self.zero == 2:
@@ -283,12 +312,16 @@ class FSDPEngine(DataParallelEngine):
 
 def apply_data_parallel(modules: list[nn.Module], dp_mesh, opt_cfg, zero: int, device, mp_dtype,
                         block_names, reshard_after_forward: bool | None = None,
-                        wrap_ddp: bool = True, sync_initial: bool = True) -> DataParallelEngine:
+                        wrap_ddp: bool = True, sync_initial: bool = True,
+                        expert_data=None) -> DataParallelEngine:
     """Wrap each of this rank's modules for data parallelism at the given ZeRO stage.
     `block_names(module)` lists the submodules that become FSDP units. `reshard_after_forward`
     overrides ZeRO-3's default (True): zero-bubble pipelines must keep parameters gathered.
-    `sync_initial=False`: DDP does not broadcast rank 0's values (they are loaded after)."""
+    `sync_initial=False`: DDP does not broadcast rank 0's values (they are loaded after).
+    `expert_data`: under expert parallelism, the mesh of the ranks holding the same experts."""
     if runs_on_fsdp(zero):
         reshard = zero == 3 if reshard_after_forward is None else reshard_after_forward
-        return FSDPEngine(modules, dp_mesh, opt_cfg, zero, device, mp_dtype, block_names, reshard)
-    return DDPEngine(modules, dp_mesh, opt_cfg, zero, device, wrap=wrap_ddp, sync_initial=sync_initial)
+        return FSDPEngine(modules, dp_mesh, opt_cfg, zero, device, mp_dtype, block_names, reshard,
+                          expert_data)
+    return DDPEngine(modules, dp_mesh, opt_cfg, zero, device, wrap=wrap_ddp, sync_initial=sync_initial,
+                     expert_data=expert_data)

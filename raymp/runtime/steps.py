@@ -4,6 +4,8 @@ pipeline stages driven by a torch.distributed.pipelining schedule."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -19,6 +21,7 @@ from raymp.parallel.checkpointing import apply_activation_checkpointing
 from raymp.parallel.compile import apply_compile
 from raymp.parallel.float8 import apply_float8, check_device
 from raymp.parallel.context import apply_context_parallel, sequence_slice
+from raymp.parallel.experts import apply_expert_parallel
 from raymp.parallel.pipeline import (
     SCHEDULES,
     ZERO_BUBBLE,
@@ -42,7 +45,8 @@ def _build(spec, cfg, mesh, device, prune=None, fill: bool = True):
     only then allocated and filled (raymp.models.spec), so no rank holds the whole model."""
     p = cfg.parallel
     model = build_part(spec, device, prune=prune, tp_mesh=mesh["tp"] if p.tp > 1 else None,
-                       sequence_parallel=p.sequence_parallel, fill=fill)
+                       sequence_parallel=p.sequence_parallel, fill=fill,
+                       shard=partial(apply_expert_parallel, ep_mesh=mesh["ep"]) if p.ep > 1 else None)
     if p.cp > 1:
         apply_context_parallel(model, mesh["cp"], cfg.train.seq_len)
     return model
@@ -77,7 +81,8 @@ def _parallelize(modules, spec, cfg, mesh, device, zero_bubble: bool = False, ke
         torch.bfloat16 if cfg.bf16 else None, spec.block_names,
         # Zero-bubble + FSDP2 resharding after forward yields wrong weight gradients (docs/design.md).
         reshard_after_forward=False if zero_bubble else None,
-        wrap_ddp=p.pp == 1 and p.tp == 1, sync_initial=not kept,
+        wrap_ddp=p.pp == 1 and p.tp == 1 and p.ep == 1, sync_initial=not kept,
+        expert_data=mesh.get("expert_data"),
     )
 
 
@@ -299,7 +304,7 @@ class PipelineStep:
         p, t = self.cfg.parallel, self.cfg.train
         inputs = labels = doc_ids = None
         sends = []
-        rows = t.global_batch_size // p.dp
+        rows = p.layout.local_batch(t.global_batch_size)
         if self.is_first:
             batch = torch.from_numpy(np.asarray(tokens).astype(np.int64)).to(self.device)
             whole = batch[:, :-1]

@@ -145,7 +145,7 @@ class Worker(CheckpointCalls):
         return [mesh for by_role in self._meshes.values() for mesh in by_role.values()]
 
     def _mesh(self, dims):
-        key = (dims.dp, dims.dp_replicate, dims.cp, dims.pp, dims.tp)
+        key = dims.mesh_degrees
         if key not in self._meshes:
             self._meshes[key] = device_mesh(dims, self.device.type)
         return self._meshes[key]
@@ -266,7 +266,7 @@ class Worker(CheckpointCalls):
         self.step_runner.measure_memory(measure)
         out = self.step_runner.forward_backward(tokens)
         p = self.cfg.parallel
-        ballot = Ballot(step, out["loss"], sample_ids, self.cfg.train.global_batch_size // p.layout.dp,
+        ballot = Ballot(step, out["loss"], sample_ids, p.layout.local_batch(self.cfg.train.global_batch_size),
                         self.rank, self.world_size)
         grad_norm = self.engine.clip_grad_norm(  # the step's last collective, and its commit vote
             self.cfg.optimizer.grad_clip,

@@ -231,3 +231,38 @@ def test_elastic_replanning_validates_one_whole_config_not_one_per_dp_tried():
     assert _largest_valid(cfg, 7, lambda c, n: built.append(n) or with_dp(c, n), lambda n: {"dp": n}) == 4
     assert built == [4]
     assert largest_valid_dp(cfg, 3) == 2 and largest_valid_dp(cfg, 8) == 8
+
+
+def test_expert_parallel_groups_are_consecutive_dp_replicas_and_a_whole_copy_is_one_group():
+    """ep borrows dp replicas (innermost), so an expert-parallel group is contiguous ranks and one
+    whole copy of the state; survivors keep whole groups and the ep degree."""
+    from raymp.config.rules import survivors_keep_state
+
+    lay = Layout(dp=4, pp=2, ep=2)
+    assert [lay.ep_rank(r) for r in range(lay.world_size)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert (lay.expert_replicas, lay.state_replicas, lay.ranks_per_copy) == (2, 2, 4)
+    assert lay.replica_of(5) == [4, 5, 6, 7] and lay.whole_replicas([0, 1, 2, 4, 5, 6, 7]) == [[4, 5, 6, 7]]
+    assert lay.settings_keeping(1) == {"dp": 2} and not lay.dp_replica_holds_state
+    assert lay.text() == "dp=4 (ep=2) pp=2 tp=1 zero=0" and lay.tag() == "dp4-ep2-pp2-tp1-zero0"
+    assert Layout.from_record(lay.record()) == lay
+    assert Layout.from_record({"dp": 2, "pp": 1, "tp": 1, "zero": 0}).ep == 1  # records from before ep
+    assert lay.mesh_degrees != Layout(dp=4, pp=2).mesh_degrees
+    assert lay.local_batch(16) == 4
+    # One group of ep replicas: a loss leaves no whole copy, unless peer copies make one.
+    one = Layout(dp=2, ep=2)
+    assert not survivors_keep_state(one, one.state_replicas, 0) and survivors_keep_state(one, 1, 5)
+    assert survivors_keep_state(lay, lay.state_replicas, 0) and survivors_keep_state(Layout(dp=1), 1, 0)
+
+
+def test_the_planner_shards_routed_experts_over_ep_and_prices_a_collapsed_router():
+    from raymp.models import model_args
+    from raymp.planner import stage_params
+
+    args = model_args(config_from_dict({"model": {"preset": "tiny-moe"}}).model, 256)
+    experts = [args.routed_expert_params(i) for i in range(args.n_layers)]
+    assert experts[0] == 0 and experts[1] == args.moe.n_experts * 3 * args.dim * args.moe.expert_ffn_dim
+    layers = list(range(args.n_layers))
+    assert stage_params(args, layers, True, True, 1) - stage_params(args, layers, True, True, 1, ep=2) \
+        == sum(experts) / 2
+    # 8 experts, top 2: at ep 2 a rank's 4 experts can take both copies of every token of 2 ranks.
+    assert [args.moe.received_share(ep) for ep in (1, 2, 8)] == [1, 2, 4]

@@ -149,7 +149,16 @@ def test_published_moe_shapes():
                               "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 256},
                 "moe": {"n_experts": 4}}, "tracking": {"enabled": False}}, "model.moe"),
     ({"model": {"factory": "helpers.custom_model:build", "moe": {"n_experts": 4}}}, "model.moe"),
-    ({"model": {"preset": "tiny-moe"}, "parallel": {"ep": 2}}, "expert parallelism is not built yet"),
+    ({"model": {"preset": "tiny"}, "parallel": {"dp": 2, "ep": 2}}, "parallel.ep=1, or pick an MoE model"),
+    ({"model": {"preset": "tiny-moe"}, "parallel": {"dp": 3, "ep": 3}}, "model.moe.n_experts (8)"),
+    ({"model": {"preset": "tiny-moe"}, "parallel": {"dp": 2, "ep": 4}}, "must divide parallel.dp (2)"),
+    ({"model": {"preset": "tiny-moe"}, "parallel": {"dp": 2, "ep": 2, "zero": 1}}, "parallel.zero=1"),
+    ({"model": {"preset": "tiny-moe"}, "parallel": {"dp": 4, "ep": 2, "zero": 3, "dp_replicate": 2}},
+     "parallel.dp_replicate=1"),
+    ({"model": {"hf_config": {"model_type": "mixtral", "hidden_size": 64, "num_hidden_layers": 2,
+                              "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+                              "vocab_size": 256, "num_local_experts": 4, "num_experts_per_tok": 2}},
+      "parallel": {"dp": 2, "ep": 2}, "tracking": {"enabled": False}}, "built-in model's MoE blocks"),
 ])
 def test_moe_refusals_name_the_field(settings, field):
     with pytest.raises((ConfigError, ValueError)) as err:
@@ -194,3 +203,17 @@ def test_step_metrics_merge_each_stages_routing_and_log_the_moe_columns():
         )
         == {}
     )
+
+
+def test_an_expert_parallel_rank_that_receives_no_rows_still_gives_its_experts_zero_gradients():
+    """A collapsed router can send one ep rank's experts nothing; their gradients must still
+    exist (zeros) for the all-reduce over the ranks holding the same experts."""
+    from raymp.parallel.experts import run_local_experts
+
+    weights = [torch.randn(4, 8, 16, requires_grad=True), torch.randn(4, 8, 16, requires_grad=True),
+               torch.randn(4, 16, 8, requires_grad=True)]
+    rows = torch.randn(0, 8, requires_grad=True)
+    out = run_local_experts(rows, torch.zeros(4, dtype=torch.long), weights)
+    out.sum().backward()
+    assert out.shape == (0, 8)
+    assert all(w.grad is not None and not w.grad.any() for w in weights)

@@ -92,6 +92,23 @@ def test_hsdp_shards_inside_the_node_and_is_proposed_across_nodes():
     assert any(c.layout.dp_replicate == 2 for c in judged)
 
 
+def test_expert_parallelism_shards_experts_prices_its_all_to_alls_and_is_proposed():
+    """Qwen3-30B-A3B on 8 GPUs of 80 GB: with ep each rank holds its share of the 128 experts'
+    state (sharded again by ZeRO over the ranks holding the same), and the planner proposes it."""
+    args = _args("qwen3-30b-a3b", 151936)
+    cluster = Cluster(nodes=1, gpus_per_node=8, gpu_memory_gb=80)
+    experts = sum(args.routed_expert_params(i) for i in range(args.n_layers))
+    plain, ep = (estimate(args, Layout(dp=8, zero=3, ep=e), 64, 4096, True)[0] for e in (1, 8))
+    # ZeRO-3 over 8 ranks shards everything 8 ways either way; ep 8 moves experts, not memory.
+    assert ep.params_bytes == pytest.approx(plain.params_bytes)
+    zero0 = [estimate(args, Layout(dp=8, ep=e), 64, 4096, True)[0] for e in (1, 8)]
+    assert zero0[0].params_bytes - zero0[1].params_bytes == pytest.approx(4 * experts * 7 / 8)
+    t = step_seconds(args, Layout(dp=8, zero=2, ep=8), cluster, 64, 4096)
+    assert t["ep_comm_s"] > 0 == step_seconds(args, Layout(dp=8, zero=2), cluster, 64, 4096)["ep_comm_s"]
+    feasible = plan(args, cluster, 64, 4096).feasible
+    assert any(c.layout.ep > 1 for c in feasible[:3])
+
+
 def test_gpt3_175b_plan_explains_the_seed_layout():
     cluster = Cluster(nodes=8, gpus_per_node=8, gpu_memory_gb=80)
     args = _args("gpt3-175b", 50304)
