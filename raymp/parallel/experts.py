@@ -57,13 +57,15 @@ class ExpertParallelExperts(RoutedExperts):
 def run_local_experts(rows: torch.Tensor, counts: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
     """This rank's experts on the rows they received. A router can send a rank's experts no row
     at all (one that collapses onto another rank's experts), and the grouped GEMM's backward
-    fails on none: one zero row then runs instead and is cut off, so the experts' gradients are
-    zeros, as every rank of the expert_data group must hold for their all-reduce."""
+    fails on none: one zero row is then added and cut off again, so the experts' gradients are
+    zeros (every rank of the expert_data group must hold them for their all-reduce), and the
+    empty rows stay in the graph: the all-to-all that brought them must run its backward on
+    this rank as on every other of the group, or the group's collectives part ways."""
     if rows.shape[0]:
         return swiglu_experts(rows, counts, *weights)
     one = counts.clone()
     one[0] = 1
-    return swiglu_experts(rows.new_zeros(1, rows.shape[1]), one, *weights)[:0]
+    return swiglu_experts(torch.cat([rows, rows.new_zeros(1, rows.shape[1])]), one, *weights)[:0]
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:

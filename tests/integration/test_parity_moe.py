@@ -86,6 +86,13 @@ def test_moe_eight_actor_layout_matches(group8, tiny_cfg):
     check_moe_parity(moe_cfg(tiny_cfg, dp=2, pp=4, zero=1, micro_batch_size=1), group8)
 
 
+def test_moe_eight_actor_expert_parallel_layout_matches(group8, tiny_cfg):
+    """dp 4 x pp 2 with ep 2, ZeRO-3: each stage's experts split over two ranks, each shard
+    sharded again over the two ranks holding it."""
+    check_moe_parity(moe_cfg(tiny_cfg, dp=4, pp=2, ep=2, zero=3, micro_batch_size=1), group8,
+                     weight_atol=5e-5)
+
+
 @pytest.mark.parametrize("save_as,load_as", [
     (dict(dp=2, zero=1), dict(dp=1, pp=2, schedule="1f1b")),
     (dict(dp=2, zero=1), dict(dp=2, zero=3)),
@@ -120,6 +127,43 @@ def test_moe_checkpoint_loads_into_another_layout(save_as, load_as, tmp_path, da
             assert torch.equal(loaded[key], value), key
         rest = t.fit()
     for got, want in zip(rest, expected, strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+        assert _same_routing(got["routing"], want["routing"]), got["step"]
+
+
+def test_moe_checkpoint_reshards_from_ep2_to_ep4_to_ep1(tmp_path, data_cache, group4):
+    """Saved at ep 2, loaded at ep 4 (each rank now holds 2 of a block's 8 experts, not 4), saved
+    there and loaded at ep 1: every weight and router bias bit for bit at each load, then the same
+    losses and routing as the run that went on at ep 2."""
+    from helpers.checkpoint_runs import run_cfg
+
+    def cfg(saves: str, **kw):
+        c = run_cfg(tmp_path, data_cache, tmp_path / saves, steps=6, every=2, **kw)
+        c["model"] = {"preset": "tiny-moe", "max_seq_len": 64,
+                      "moe": {"aux_loss_coef": 0.1, "bias_update_rate": 0.01}}
+        c["parallel"]["micro_batch_size"] = 1
+        c["checkpoint"]["keep_last"] = 3
+        return c
+
+    def same(got: dict, want: dict) -> None:
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert torch.equal(got[key], value), key
+
+    with Trainer(cfg("at_ep2", dp=4, ep=2), actor_group=group4, progress=False) as t:
+        t.fit(2)
+        at_2 = t.state_dict()
+        expected = t.fit()[2:]  # fit returns the run's whole history
+    with Trainer(cfg("at_ep4", dp=4, ep=4, resume=str(tmp_path / "at_ep2" / "step-00000002")),
+                 actor_group=group4, progress=False) as t:
+        same(t.state_dict(), at_2)
+        went_on = t.fit(2)  # to step 4
+        at_4 = t.state_dict()
+    with Trainer(cfg("at_ep1", dp=4, resume=str(tmp_path / "at_ep4" / "step-00000004")),
+                 actor_group=group4, progress=False) as t:
+        same(t.state_dict(), at_4)
+        went_on += t.fit()
+    for got, want in zip(went_on, expected, strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
         assert _same_routing(got["routing"], want["routing"]), got["step"]
 

@@ -207,7 +207,8 @@ def test_step_metrics_merge_each_stages_routing_and_log_the_moe_columns():
 
 def test_an_expert_parallel_rank_that_receives_no_rows_still_gives_its_experts_zero_gradients():
     """A collapsed router can send one ep rank's experts nothing; their gradients must still
-    exist (zeros) for the all-reduce over the ranks holding the same experts."""
+    exist (zeros) for the all-reduce over the ranks holding the same experts, and the empty rows
+    must get a gradient too: the all-to-all that brought them runs its backward only then."""
     from raymp.parallel.experts import run_local_experts
 
     weights = [torch.randn(4, 8, 16, requires_grad=True), torch.randn(4, 8, 16, requires_grad=True),
@@ -217,3 +218,4 @@ def test_an_expert_parallel_rank_that_receives_no_rows_still_gives_its_experts_z
     out.sum().backward()
     assert out.shape == (0, 8)
     assert all(w.grad is not None and not w.grad.any() for w in weights)
+    assert rows.grad is not None and rows.grad.shape == (0, 8)
