@@ -11,6 +11,7 @@ layout rule of its own.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import TypedDict
 
@@ -195,6 +196,12 @@ class Layout:
             {"dp": replicas * self.ep} if self.zero == 0
             else {"dp": replicas * self.dp_shard, "dp_replicate": replicas}
         )
+
+    def settings_at_dp(self, dp: int) -> dict[str, int]:
+        """The parallel settings of this layout re-planned to `dp` replicas (a restart after a
+        loss, a resize): under expert parallelism ep becomes the largest degree that divides both
+        the old ep and the new dp (a checkpoint reshards the experts to it)."""
+        return {"dp": dp} if self.ep == 1 else {"dp": dp, "ep": math.gcd(self.ep, dp)}
 
     def micro_batches(self, global_batch: int) -> int:
         """Micro-batches each replica runs per optimizer step."""

@@ -1,7 +1,8 @@
 """Re-planning after a loss: how many data-parallel replicas the cluster holds now, and the dp
 to restart with. cp x pp x tp is kept (a replica's shape is what the model's memory needs); dp
-shrinks to what fits, and the global batch stays the same, each replica taking more
-micro-batches, so the loss curve goes on as if nothing happened.
+shrinks to what fits (and ep, which borrows dp ranks, to what divides it), and the global batch
+stays the same, each replica taking more micro-batches, so the loss curve goes on as if nothing
+happened.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def capacity(cfg: RunConfig, device: str, reserve_node: str | None, reserve_cpus
 def largest_valid_dp(cfg: RunConfig, limit: int) -> int | None:
     """The largest dp <= limit the config accepts (the global batch must split into whole
     micro-batches per replica, and the schedule may need a minimum count of them)."""
-    return _largest_valid(cfg, limit, with_dp, lambda n: {"dp": n})
+    return _largest_valid(cfg, limit, with_dp, cfg.parallel.layout.settings_at_dp)
 
 
 def largest_valid_replicas(cfg: RunConfig, limit: int) -> int | None:
@@ -77,7 +78,9 @@ def _largest_valid(cfg: RunConfig, limit: int, build, settings) -> int | None:
 
 
 def with_dp(cfg: RunConfig, dp: int) -> RunConfig:
-    return config_from_dict(resolved_dict(cfg), [f"parallel.dp={dp}"])
+    """The run re-planned to `dp` replicas (Layout.settings_at_dp)."""
+    settings = cfg.parallel.layout.settings_at_dp(dp)
+    return config_from_dict(resolved_dict(cfg), [f"parallel.{k}={v}" for k, v in settings.items()])
 
 
 def with_replicas(cfg: RunConfig, replicas: int) -> RunConfig:

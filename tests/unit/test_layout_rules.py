@@ -266,3 +266,17 @@ def test_the_planner_shards_routed_experts_over_ep_and_prices_a_collapsed_router
         == sum(experts) / 2
     # 8 experts, top 2: at ep 2 a rank's 4 experts can take both copies of every token of 2 ranks.
     assert [args.moe.received_share(ep) for ep in (1, 2, 8)] == [1, 2, 4]
+
+
+def test_a_restart_with_fewer_replicas_replans_ep_to_what_divides_them():
+    """dp 4 x ep 4 that comes back with room for 2 or 3 replicas: ep 2 at dp 2 (a checkpoint
+    reshards the experts), and at dp 3 no ep > 1 divides both: ep 1."""
+    from raymp.elastic import largest_valid_dp, with_dp
+
+    assert Layout(dp=4, ep=4).settings_at_dp(2) == {"dp": 2, "ep": 2}
+    assert Layout(dp=4, ep=4).settings_at_dp(3) == {"dp": 3, "ep": 1}
+    assert Layout(dp=4).settings_at_dp(3) == {"dp": 3}
+    cfg = config_from_dict({"model": {"preset": "tiny-moe"}, "parallel": {"dp": 4, "ep": 4},
+                            "train": {"global_batch_size": 8, "seq_len": 32}, "tracking": {"enabled": False}})
+    assert largest_valid_dp(cfg, 3) == 2  # a global batch of 8 does not split over 3
+    assert (with_dp(cfg, 2).parallel.dp, with_dp(cfg, 2).parallel.ep) == (2, 2)
