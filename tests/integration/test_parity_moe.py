@@ -54,16 +54,18 @@ def test_moe_dp2_pp2_zero3_with_checkpointing_matches(group4, tiny_cfg):
     check_moe_parity(moe_cfg(tiny_cfg, dp=2, pp=2, zero=3, activation_checkpointing=True), group4)
 
 
-@pytest.mark.parametrize("dp,zero", [(2, 0), (4, 0), (2, 3), (4, 2)])
-def test_moe_expert_parallel_matches_single_process(dp, zero, group2, group4, tiny_cfg):
+@pytest.mark.parametrize("dp,zero,ac", [(2, 0, False), (4, 0, False), (2, 3, False), (4, 2, False), (2, 0, True)])
+def test_moe_expert_parallel_matches_single_process(dp, zero, ac, group2, group4, tiny_cfg):
     """ep 2: each rank holds half of every block's experts, tokens sent to them by all-to-all;
     at dp 4 two pairs of ranks each split the experts, and each expert's gradient averages over
-    the two ranks that hold it. Weights within 5e-5 (measured 2.0e-5 and 2.3e-5; dp 2 without ep:
+    the two ranks that hold it. With activation checkpointing every rank recomputes its blocks,
+    all-to-alls included, in the same order in backward. Weights within 5e-5 (measured 2.0e-5 and 2.3e-5; dp 2 without ep:
     0.9e-5): an expert's GEMM now sums the tokens of every rank of its group at once, in another
     order than one process's micro-batch by micro-batch, and lr 1e-2 Adam carries that rounding
     into a few weights. Losses (within 6e-8) and every step's routing are held as tightly as for
     every other layout."""
-    check_moe_parity(moe_cfg(tiny_cfg, dp=dp, ep=2, zero=zero, micro_batch_size=1),
+    cfg = moe_cfg(tiny_cfg, dp=dp, ep=2, zero=zero, micro_batch_size=1, activation_checkpointing=ac)
+    check_moe_parity(cfg,
                      group2 if dp == 2 else group4, weight_atol=5e-5)
 
 
