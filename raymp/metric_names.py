@@ -29,6 +29,7 @@ PER_STEP = {
     "moe_aux_loss": "moe/aux_loss",
     "moe_imbalance_max": "moe/imbalance",
     "moe_dropped_tokens": "moe/dropped",
+    "moe_all_to_all_s": "moe/a2a_s",
 }
 LOSS = PER_STEP["loss"]
 VAL_LOSS = PER_STEP["val_loss"]

@@ -76,16 +76,20 @@ def with_stand_ins(reports: dict[int, RankReport], record: StepRecord, layout: L
 def moe_metrics(reports: list[RankReport], layout: Layout) -> dict:
     """MoE models: the global batch's routing of every block (from the stage that holds it; its
     replicas summed the counts already), the balance loss summed over blocks, and the load
-    imbalance (busiest expert over the mean) of the worst block. Routing is dropless: no token
-    is ever dropped."""
+    imbalance (busiest expert over the mean) of the worst block; under expert parallelism the
+    most seconds a rank spent in its all-to-alls. Routing is dropless: no token is ever dropped."""
     routing = {}
     for stage in range(layout.pp):
         routing.update(reports[layout.rank_of(dp=0, pp=stage, tp=0)].routing)
     if not routing:
         return {}
     by_block = {name: imbalance(r["tokens_per_expert"]) for name, r in routing.items()}
-    return {"routing": routing, "moe_aux_loss": sum(r["aux_loss"] for r in routing.values()),
-            "moe_imbalance": by_block, "moe_imbalance_max": max(by_block.values()), "moe_dropped_tokens": 0}
+    out = {"routing": routing, "moe_aux_loss": sum(r["aux_loss"] for r in routing.values()),
+           "moe_imbalance": by_block, "moe_imbalance_max": max(by_block.values()), "moe_dropped_tokens": 0}
+    exchanges = [r.expert_exchange_s for r in reports if r.expert_exchange_s is not None]
+    if exchanges:  # expert parallelism: the rank that spent longest in its all-to-alls
+        out["moe_all_to_all_s"] = max(exchanges)
+    return out
 
 
 def stage_events(reports: list[RankReport], layout: Layout, dp: int = 0) -> list[list]:

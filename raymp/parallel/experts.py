@@ -15,15 +15,54 @@ divides by dp, as every other gradient is averaged over dp (raymp.parallel.zero)
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from raymp.models.moe import RoutedExperts, finish_routing, moe_blocks, swiglu_experts
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
+
+
+class ExchangeClock:
+    """Seconds one block's all-to-alls took on this rank since it was last read (forward and
+    backward). Kept where the exchange blocks the host until the data is there (gloo, CPU); on
+    CUDA the host sees only NCCL's launch, so nothing is kept there (`timed` False)."""
+
+    def __init__(self, timed: bool):
+        self.timed, self.seconds = timed, 0.0
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, clock: ExchangeClock):
+    start = time.perf_counter()
+    out = x.new_empty(sum(out_splits), *x.shape[1:])
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    if clock.timed:
+        clock.seconds += time.perf_counter() - start
+    return out
+
+
+class _Exchange(torch.autograd.Function):
+    """all_to_all_single of rows, differentiable (its backward is the reverse exchange of the
+    gradients) and timed by the block's clock both ways. torch.distributed.nn's differentiable
+    all_to_all_single does the same exchange but cannot say what its backward took."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group, clock):
+        ctx.splits, ctx.group, ctx.clock = (out_splits, in_splits), group, clock
+        return _exchange(x, out_splits, in_splits, group, clock)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _exchange(grad, in_splits, out_splits, ctx.group, ctx.clock), None, None, None, None
 
 
 class ExpertParallelExperts(RoutedExperts):
@@ -33,16 +72,16 @@ class ExpertParallelExperts(RoutedExperts):
 
     ep_group: dist.ProcessGroup
     ep: int
+    clock: ExchangeClock
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         ep, per_rank = self.ep, counts.numel() // self.ep
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=self.ep_group)  # [source rank, local expert]
+        # [source rank, local expert]: what every rank sends this rank's experts
+        received = _exchange(counts, [per_rank] * ep, [per_rank] * ep, self.ep_group, self.clock)
         received = received.view(ep, per_rank)
         sent_splits = counts.view(ep, per_rank).sum(1).tolist()
         received_splits = received.sum(1).tolist()
-        tokens = all_to_all_single(x.new_empty(sum(received_splits), x.shape[1]), x,
-                                   received_splits, sent_splits, group=self.ep_group)
+        tokens = _Exchange.apply(x, received_splits, sent_splits, self.ep_group, self.clock)
         # The received rows come by source rank, then by expert: the experts need them by expert.
         expert_of_row = torch.arange(per_rank, device=x.device).repeat(ep).repeat_interleave(
             received.flatten())
@@ -50,8 +89,7 @@ class ExpertParallelExperts(RoutedExperts):
         weights = [w.to_local() for w in (self.w1, self.w3, self.w2)]
         out = run_local_experts(tokens[order], received.sum(0), weights)
         out = out.new_empty(out.shape).index_copy(0, order, out)  # back to the order they came in
-        return all_to_all_single(x.new_empty(x.shape[0], out.shape[1]), out, sent_splits, received_splits,
-                                 group=self.ep_group)
+        return _Exchange.apply(out, sent_splits, received_splits, self.ep_group, self.clock)
 
 
 def run_local_experts(rows: torch.Tensor, counts: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
@@ -79,6 +117,16 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
             experts.register_parameter(name, nn.Parameter(sharded))
         experts.__class__ = ExpertParallelExperts  # as fully_shard does: same module, parallel forward
         experts.ep_group, experts.ep = ep_mesh.get_group(), ep_mesh.size()
+        experts.clock = ExchangeClock(timed=ep_mesh.device_type == "cpu")
+
+
+def exchange_seconds(blocks: dict) -> float | None:
+    """Seconds this rank's expert all-to-alls took since the last call, over every MoE block it
+    holds; None where they are not timed (no expert parallelism, or CUDA: ExchangeClock)."""
+    clocks = [b.experts.clock for b in blocks.values() if isinstance(b.experts, ExpertParallelExperts)]
+    if not clocks or not clocks[0].timed:
+        return None
+    return sum(c.take() for c in clocks)
 
 
 def expert_modules(module: nn.Module) -> list[ExpertParallelExperts]:

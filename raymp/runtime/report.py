@@ -41,6 +41,7 @@ class RankReport:
     save_started: dict | None = None  # the step's SaveOrder, started: blocked_s, wait_s, stage_s
     pipeline_events: list = field(default_factory=list)  # pipelines: this rank's stage clock
     routing: dict = field(default_factory=dict)  # MoE: per block of this rank, the global batch's routing
+    expert_exchange_s: float | None = None  # expert parallelism: its all-to-alls' seconds (exchange_seconds)
     stand_in: bool = False  # a lost rank's report of a step the vote committed (Session.commit_failed_step)
 
     @property

@@ -30,7 +30,7 @@ from raymp.models import model_spec
 from raymp.models.moe import reset_routing
 from raymp.models.spec import clean_name as _clean
 from raymp.optim import build_scheduler
-from raymp.parallel.experts import finish_expert_step
+from raymp.parallel.experts import exchange_seconds, finish_expert_step
 from raymp.runtime.checkpoint_calls import CheckpointCalls
 from raymp.runtime.commit_vote import Ballot, StepRecord
 from raymp.runtime.gradients import full_gradients
@@ -264,6 +264,7 @@ class Worker(CheckpointCalls):
             sample_ids, tokens, data_wait = self.stream.next(step)
         measure = self.memory.measures(step)
         self.step_runner.measure_memory(measure)
+        exchange_seconds(self.step_runner.moe_blocks)  # the step's own exchanges only (not validation's)
         out = self.step_runner.forward_backward(tokens)
         p = self.cfg.parallel
         ballot = Ballot(step, out["loss"], sample_ids, p.layout.local_batch(self.cfg.train.global_batch_size),
@@ -302,6 +303,7 @@ class Worker(CheckpointCalls):
             checkpoint=finished,
             save_started=started,
             routing=routing,
+            expert_exchange_s=exchange_seconds(self.step_runner.moe_blocks),
             **self.memory.last,
         )
 

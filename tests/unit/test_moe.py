@@ -167,6 +167,8 @@ def test_moe_refusals_name_the_field(settings, field):
 
 
 def test_step_metrics_merge_each_stages_routing_and_log_the_moe_columns():
+    from dataclasses import replace
+
     from raymp.driver.metrics import moe_metrics
     from raymp.metric_names import PER_STEP
     from raymp.layout import Layout
@@ -182,7 +184,10 @@ def test_step_metrics_merge_each_stages_routing_and_log_the_moe_columns():
     assert set(m["routing"]) == {"layers.1.feed_forward", "layers.2.feed_forward"}
     assert m["moe_imbalance_max"] == 2.5 and m["moe_dropped_tokens"] == 0
     assert m["moe_aux_loss"] == pytest.approx(0.04)
-    assert {"moe_aux_loss", "moe_imbalance_max", "moe_dropped_tokens"} <= set(PER_STEP)
+    assert {"moe_aux_loss", "moe_imbalance_max", "moe_dropped_tokens", "moe_all_to_all_s"} <= set(PER_STEP)
+    assert "moe_all_to_all_s" not in m  # no expert parallelism: nothing timed
+    timed = [replace(r, expert_exchange_s=0.1 * r.rank) for r in reports]
+    assert moe_metrics(timed, layout)["moe_all_to_all_s"] == pytest.approx(0.3)
     assert (
         moe_metrics(
             [
@@ -219,3 +224,31 @@ def test_an_expert_parallel_rank_that_receives_no_rows_still_gives_its_experts_z
     assert out.shape == (0, 8)
     assert all(w.grad is not None and not w.grad.any() for w in weights)
     assert rows.grad is not None and rows.grad.shape == (0, 8)
+
+
+@pytest.mark.timeout(120)
+def test_the_expert_exchange_is_differentiable_and_timed_both_ways():
+    """The all-to-all of routed rows: its backward sends the gradients back by the reverse
+    splits, and the block's clock counts both directions, read once (ExchangeClock)."""
+    import os
+
+    import torch.distributed as dist
+
+    from helpers.ports import free_port
+    from raymp.parallel.experts import ExchangeClock, _Exchange
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(free_port())
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        clock = ExchangeClock(timed=True)
+        x = torch.arange(12.0).view(6, 2).requires_grad_()
+        out = _Exchange.apply(x, [6], [6], dist.group.WORLD, clock)
+        forward = clock.seconds
+        (out * 3).sum().backward()
+        assert torch.equal(out, x) and torch.equal(x.grad, torch.full((6, 2), 3.0))
+        assert 0 < forward < clock.seconds
+        assert clock.take() > 0 and clock.seconds == 0
+        assert ExchangeClock(timed=False).seconds == 0
+    finally:
+        dist.destroy_process_group()
