@@ -136,8 +136,7 @@ def measure(opts) -> dict:
         ],
         "raw": raw,
         "notes": [
-            "Expert parallelism is not built, so there is no ep1 / ep2 / ep4 comparison and no all-to-all "
-            "share of the step: every rank holds all experts of its stage (README, docs/design.md).",
+            "Every rank here holds all experts of its stage; expert parallelism (ep 1 / 2 / 4) is section 13.",
             "Active / dense params: the MoE model's parameters a token runs through over the dense preset's "
             "(its FLOPs per token, to first order); the step-time ratio beside it adds what routing costs: "
             "the router, sorting tokens by expert, the grouped GEMM over uneven groups, the scatter back.",

@@ -40,6 +40,7 @@ SECTIONS = (
     "rank_step",
     "moe",
     "vote",
+    "ep",
 )
 
 
@@ -56,6 +57,7 @@ _WHERE = {
     "planner": "planner_check:measure",
     "moe": "moe:measure",
     "vote": "commit_vote:measure",
+    "ep": "expert_parallel:measure",
 }
 
 
