@@ -82,6 +82,7 @@ def test_checkpoint_dir_layout_and_keep_last(saved):
         "tp": 1,
         "zero": 1,
         "world_size": 4,
+        "ep": 1,
     }
     assert latest.data_position["step"] == STEPS and latest.data_position["consumed"] == STEPS * 8
     files = sorted(os.listdir(latest.path))
