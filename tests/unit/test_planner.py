@@ -150,6 +150,13 @@ def test_plan_compare_reads_yes_and_1_as_true():
     assert "Compared layout dp=1 pp=1 tp=2 zero=0 mbs=1 +AC +SP" in out.stdout, out.stdout
 
 
+def test_plan_compare_takes_expert_parallelism():
+    out = raymp("plan", "--model", "qwen3-30b-a3b", "--nodes", "1", "--gpus-per-node", "8", "--gpu-memory-gb",
+                "80", "--global-batch", "64", "--seq-len", "4096", "--compare", "dp=8,ep=8,zero=2,ac=1")
+    assert out.returncode == 0, out.stderr
+    assert "Compared layout dp=8 (ep=8) pp=1 tp=1 zero=2" in out.stdout, out.stdout
+
+
 def test_plan_of_a_config_explains_its_own_layout_first():
     out = raymp("plan", "configs/tiny-pipeline.yaml")
     assert out.returncode == 0, out.stderr
