@@ -136,7 +136,8 @@ def measure(opts) -> dict:
         ],
         "raw": raw,
         "notes": [
-            "Every rank here holds all experts of its stage; expert parallelism (ep 1 / 2 / 4) is section 13.",
+            "Every rank here holds all experts of its stage; expert parallelism (ep 1 / 2 / 4) is measured by "
+            "`python -m benchmarks.run_all --only ep` (section 13).",
             "Active / dense params: the MoE model's parameters a token runs through over the dense preset's "
             "(its FLOPs per token, to first order); the step-time ratio beside it adds what routing costs: "
             "the router, sorting tokens by expert, the grouped GEMM over uneven groups, the scatter back.",
