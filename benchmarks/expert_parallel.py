@@ -34,7 +34,8 @@ def _fit(cfg: dict, group) -> dict:
 def measure(opts) -> dict:
     from raymp.runtime.actor_group import ActorGroup
 
-    ray.init(address="local", num_cpus=DP, include_dashboard=False, log_to_driver=False)
+    # one CPU beyond the actors: the data streams' Ray Data tasks
+    ray.init(address="local", num_cpus=DP + 1, include_dashboard=False, log_to_driver=False)
     group = ActorGroup(DP, "cpu", cpus_per_actor=1)
     out = tempfile.mkdtemp(prefix="raymp-bench-ep-")
     steps = opts.steps + 2  # two warm-up steps outside the timed window
