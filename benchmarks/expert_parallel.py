@@ -80,9 +80,9 @@ def measure(opts) -> dict:
         "rows": rows,
         "raw": raw,
         "notes": [
-            "On CPU actors expert parallelism saves memory (each rank holds 1/ep of the experts' state), "
-            "not time: every rank still runs the whole dense part, and the exchange is gloo over "
-            "loopback TCP. A collapsed router (tiny scale, docs/design.md) sends most rows to one rank's "
+            "Expert parallelism is for memory (each rank holds 1/ep of the experts' state); what it does to "
+            "the step on CPU actors is the table's: every rank still runs the whole dense part, the "
+            "exchange is gloo over loopback TCP, and a collapsed router (tiny scale, docs/design.md) sends most rows to one rank's "
             "experts, which then runs most of the expert work while the others wait in the all-to-all.",
         ],
     }
