@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from raymp.models.moe import RoutedExperts, finish_routing, moe_blocks, swiglu_experts
 
@@ -130,14 +130,9 @@ def exchange_seconds(blocks: dict) -> float | None:
 
 
 def expert_modules(module: nn.Module) -> list[ExpertParallelExperts]:
-    """The expert-parallel experts of `module` (FSDP2 shards them over "expert_data")."""
+    """The expert-parallel experts of `module`: the data-parallel engines average their gradients
+    over "expert_data" (FSDP2 also shards them over it)."""
     return [m for m in module.modules() if isinstance(m, ExpertParallelExperts)]
-
-
-def expert_weights(modules) -> list[torch.Tensor]:
-    """The expert-parallel weights of `modules` (their gradients average over "expert_data")."""
-    return [p for m in modules for p in m.parameters()
-            if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("ep",)]
 
 
 def finish_expert_step(blocks: dict, data_mesh) -> dict:

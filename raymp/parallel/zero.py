@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raymp.layout import runs_on_fsdp
-from raymp.parallel.experts import expert_modules, expert_weights
+from raymp.parallel.experts import expert_modules
 from raymp.optim import adamw_kwargs, build_optimizer, param_groups
 from raymp.torch_compat import flatten_dense_tensors, unflatten_dense_tensors
 
@@ -201,7 +201,7 @@ class DDPEngine(DataParallelEngine):
         # Expert-parallel weights: their gradients average over the ranks holding the same
         # experts (raymp.parallel.experts), every other one over dp.
         self.expert_group = expert_data.get_group() if expert_data is not None else None
-        self.expert_ids = {id(p) for p in expert_weights(modules)} if expert_data is not None else set()
+        self.expert_ids = {id(p) for m in modules for e in expert_modules(m) for p in e.parameters()}
         # One replica has nothing to reduce: DDP would only add its buckets, a gradient-sized
         # block kept between steps (a dp=1 rank held 16 bytes per parameter between steps
         # instead of 12). torchtitan, too, applies DDP only when the replicate degree is above 1.
