@@ -46,7 +46,7 @@ def stream_rate(data_cfg: DataConfig, global_batch: int, seq_len: int, steps: in
     order = TrainOrder(data.num_samples, data_cfg.val_fraction, 0, global_batch)
     start = DataPosition.at(0, 0, order, 0, data.identity)
     spec = StreamSpec(
-        data.root, data.num_samples, data.seq_len, data_cfg.val_fraction, 0, global_batch, DP, 0, start
+        data.root, data.num_samples, data.seq_len, data_cfg.val_fraction, 0, global_batch, global_batch // DP, 0, start
     )
     stream = ReplicaStream(spec, steps, data_cfg.stream_cpus, data_cfg.prefetch_batches)
     t0 = time.perf_counter()

@@ -21,7 +21,7 @@ class FixedBatches:
     def __init__(self, batches: list[np.ndarray], dp: int, replica: int):
         from raymp.data.order import replica_slice
 
-        self.batches = [replica_slice(b, dp, replica) for b in batches]
+        self.batches = [replica_slice(b, len(b) // dp, replica) for b in batches]
 
     def next(self, step: int):
         return None, self.batches[step], 0.0

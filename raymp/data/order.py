@@ -121,7 +121,6 @@ class DataPosition:
                              "data.val_fraction")
 
 
-def replica_slice(batch: np.ndarray, dp: int, replica: int) -> np.ndarray:
-    """Replica r's contiguous share of a global batch."""
-    per = len(batch) // dp
-    return batch[replica * per : (replica + 1) * per]
+def replica_slice(batch: np.ndarray, local_batch: int, replica: int) -> np.ndarray:
+    """Replica r's contiguous share of a global batch: `local_batch` rows (Layout.local_batch)."""
+    return batch[replica * local_batch : (replica + 1) * local_batch]

@@ -35,14 +35,10 @@ class StreamSpec:
     val_fraction: float
     seed: int
     global_batch: int
-    dp: int
+    local_batch: int  # rows per replica per step: Layout.local_batch
     replica: int
     start: DataPosition  # the stream's first step reads from here
     node_id: str | None = None  # run the stream's tasks there (the shards are on its local disk)
-
-    @property
-    def local_batch(self) -> int:
-        return self.global_batch // self.dp
 
 
 @functools.lru_cache(maxsize=4)
@@ -57,7 +53,7 @@ def _replica_rows(batch: dict, spec: StreamSpec) -> dict:
     steps, ids = [], []
     for k in batch["id"]:
         step = spec.start.step + int(k)
-        ids.append(replica_slice(order.batch(step, spec.start), spec.dp, spec.replica))
+        ids.append(replica_slice(order.batch(step, spec.start), spec.local_batch, spec.replica))
         steps.append(np.full(spec.local_batch, step, dtype=np.int64))
     ids = np.concatenate(ids)
     return {"step": np.concatenate(steps), "sample_id": ids, "tokens": _packed(spec.root).gather(ids)}

@@ -86,7 +86,7 @@ class DataFeed:
                     cfg.data.val_fraction,
                     cfg.seed,
                     cfg.train.global_batch_size,
-                    layout.dp,
+                    layout.local_batch(cfg.train.global_batch_size),
                     c["dp"],
                     start,
                     node,
@@ -116,7 +116,8 @@ class DataFeed:
         for rank in range(layout.world_size):
             c = layout.coords(rank)
             if c["pp"] == 0:
-                args.append(([self.data.gather(replica_slice(b, layout.dp, c["dp"])) for b in batches],))
+                rows = layout.local_batch(t.global_batch_size)
+                args.append(([self.data.gather(replica_slice(b, rows, c["dp"])) for b in batches],))
             else:
                 args.append(([None] * n,))
         group.call_per_rank("set_eval_data", args)

@@ -26,7 +26,7 @@ def pipeline_gradients(cfg, group):
         args = [
             (
                 (
-                    t.data.gather(replica_slice(batch, lay.dp, lay.coords(r)["dp"]))
+                    t.data.gather(replica_slice(batch, lay.local_batch(len(batch)), lay.coords(r)["dp"]))
                     if lay.coords(r)["pp"] == 0
                     else None
                 ),
