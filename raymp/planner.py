@@ -18,7 +18,9 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
-from raymp.layout import Layout, ModelShape, runs_on_fsdp, runs_under_autocast
+from raymp import layout_rules
+from raymp.layout import Layout, runs_on_fsdp, runs_under_autocast
+from raymp.layout_rules import ModelShape
 from raymp.step_time import GB, Cluster, step_seconds
 
 
@@ -238,9 +240,9 @@ def _divisors(n: int) -> list[int]:
 def layout_problem(args, layout: Layout, global_batch: int, seq_len: int, cluster: Cluster,
                    shape: ModelShape | None = None) -> str:
     """Why a layout cannot run at all (before memory), or '': the layout's own rules
-    (raymp.layout), for `shape` (default: the built-in model of `args`' shape)."""
-    problems = layout.problems(
-        shape or ModelShape.of_args(args), global_batch, seq_len, cluster.gpus_per_node
+    (raymp.layout_rules), for `shape` (default: the built-in model of `args`' shape)."""
+    problems = layout_rules.problems(
+        layout, shape or ModelShape.of_args(args), global_batch, seq_len, cluster.gpus_per_node
     )
     return problems[0] if problems else ""
 

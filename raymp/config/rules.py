@@ -1,9 +1,10 @@
 """Rules across config sections, checked once the schema has parsed them: each raises with the
-offending field's dotted name and a fix. The layout's own rules are raymp.layout's and are asked,
-not restated."""
+offending field's dotted name and a fix. The layout's own rules are raymp.layout_rules' and are
+asked, not restated."""
 
 from __future__ import annotations
 
+from raymp import layout_rules
 from raymp.layout import Layout, runs_on_fsdp
 from raymp.models.shape import TOKENIZER_VOCAB, model_shape
 from raymp.storage import default_tracking_uri
@@ -16,27 +17,27 @@ CPU_OFFLOAD_ON_CPU = (
 
 
 def _layout_inputs(cfg) -> tuple:
-    """What raymp.layout's rules need of a config: its model's shape, global batch, sequence."""
+    """What raymp.layout_rules needs of a config: its model's shape, global batch, sequence."""
     tokenizer = cfg.data.tokenizer
     shape = model_shape(cfg.model, TOKENIZER_VOCAB.get(tokenizer), tokenizer)
     return shape, cfg.train.global_batch_size, cfg.train.seq_len
 
 
 def layout_problems(cfg, layout) -> list[str]:
-    """Why `layout` cannot run the config's model at its batch and sequence (raymp.layout's rules):
+    """Why `layout` cannot run the config's model at its batch and sequence (raymp.layout_rules):
     what check_run refuses a layout for."""
-    return layout.problems(*_layout_inputs(cfg))
+    return layout_rules.problems(layout, *_layout_inputs(cfg))
 
 
 def check_run(cfg) -> None:
     """Cross-section checks. Each raises with the offending field's dotted name and a fix. The
-    layout's own rules are raymp.layout's; they are asked here, not restated."""
+    layout's own rules are raymp.layout_rules'; they are asked here, not restated."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
     if ":" in cfg.data.tokenizer:  # your own: importable now, not only when the data is prepared
         from raymp.data.tokenizers import get_tokenizer
 
         get_tokenizer(cfg.data.tokenizer)
-    p.layout.check(*_layout_inputs(cfg))
+    layout_rules.check(p.layout, *_layout_inputs(cfg))
     devices = cfg.resources.devices
     if devices is not None and devices != p.world_size:
         raise ValueError(
@@ -112,7 +113,7 @@ def vocab_too_small(model_vocab: int | None, tokenizer: str, tokenizer_vocab: in
 
 def _check_moe(cfg) -> None:
     """Mixture-of-experts blocks beyond the layout (whose rules, tp and cp among them, are
-    raymp.layout's): what else runs them unverified is refused."""
+    raymp.layout_rules'): what else runs them unverified is refused."""
     if cfg.precision == "fp8":
         raise ValueError("precision fp8 with model.moe is not supported (the routed experts are not float8 "
                          "linears); use precision=bf16")

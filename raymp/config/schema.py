@@ -1,5 +1,5 @@
 """The run configuration's schema: one pydantic section per concern, strict about unknown keys.
-Cross-section rules are raymp.config.rules (the layout's own are raymp.layout); reading YAML and
+Cross-section rules are raymp.config.rules (the layout's own are raymp.layout_rules); reading YAML and
 command-line overrides is raymp.config.loading."""
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from raymp import layout_rules
 from raymp.checkpoint.restore import SETUP_KNOB, restore_newest_intact
 from raymp.checkpoint.store import Checkpoint
 from raymp.config import ConfigError, RunConfig, config_from_dict, load_config
@@ -101,9 +102,8 @@ class Launcher:
         feed = self.feed
         vocab = feed.data.vocab_size
         # The layout against the tokenizer's real vocabulary (config validation may not have known it).
-        cfg.parallel.layout.check(
-            model_shape(cfg.model, vocab, feed.data.tokenizer), cfg.train.global_batch_size, cfg.train.seq_len
-        )
+        layout_rules.check(cfg.parallel.layout, model_shape(cfg.model, vocab, feed.data.tokenizer),
+                           cfg.train.global_batch_size, cfg.train.seq_len)
         cfg = with_stage_split(cfg, vocab)
         lay, r = cfg.parallel.layout, cfg.resources
         memory = estimate(model_args(cfg.model, vocab), lay, cfg.train.global_batch_size, cfg.train.seq_len,

@@ -1,4 +1,4 @@
-"""The ModelShape of a configured model: what the layout rules (raymp.layout) check a layout
+"""The ModelShape of a configured model: what the layout rules (raymp.layout_rules) check a layout
 against. One function for the built-in model, Hugging Face models and factory modules, so config
 validation, the planner and the driver judge a layout by the same sizes."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from raymp.layout import ModelShape
+from raymp.layout_rules import ModelShape
 from raymp.models.custom import import_object
 
 TOKENIZER_VOCAB = {"byte": 256, "gpt2": 50257}

@@ -25,7 +25,7 @@ from raymp.checkpoint.coordinator import SaveOrder
 from raymp.checkpoint.in_memory import PeerCopyWriter
 from raymp.checkpoint.rank_state import RankCheckpointer, host_state, load_host_state
 from raymp.data.stream import ReplicaStream
-from raymp.layout import device_mesh
+from raymp.parallel.mesh import device_mesh
 from raymp.models import model_spec
 from raymp.models.moe import reset_routing
 from raymp.models.spec import clean_name as _clean

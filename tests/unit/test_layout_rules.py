@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from raymp import layout_rules
 from raymp.config import ConfigError, ModelConfig, config_from_dict
 from raymp.config.loading import with_model_shape
 from raymp.layout import Layout
@@ -199,7 +200,8 @@ def test_the_drivers_stage_split_is_not_a_second_validation(monkeypatch):
     monkeypatch.setattr(RunConfig, "model_validate", validated_again)
     split = with_stage_split(cfg, 256)
     assert split.parallel.stage_layers == [[0, 1], [2, 3]] and cfg.parallel.stage_layers is None
-    split.parallel.layout.check(model_shape(split.model, 256), 8, 32)  # a split the rules accept
+    # a split the rules accept
+    layout_rules.check(split.parallel.layout, model_shape(split.model, 256), 8, 32)
 
 
 def test_whole_replicas_are_those_every_rank_of_which_survived():

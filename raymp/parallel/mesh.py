@@ -1,0 +1,39 @@
+"""The torch device meshes of a layout, by role: what the engines, plans and collectives of one
+rank run over. The layout's degrees and rank arithmetic are raymp.layout's."""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import init_device_mesh
+
+from raymp.layout import Layout
+from raymp.torch_compat import flatten_mesh, unflatten_mesh
+
+
+def device_mesh(layout: Layout, device_type: str) -> dict:
+    """The device mesh by role: "cp", "pp", "tp", and "data", the data-parallel ranks that
+    gradients average over and ZeRO shards over: dp, or dp and cp flattened into one; under
+    HSDP a 2-D mesh (replicate, shard), which FSDP2 reads as shard along the second dimension,
+    replicate along the first. Under expert parallelism also "ep" (the ranks that split each
+    block's experts) and "expert_data" (the ranks that hold the same expert shard)."""
+    if layout.dp_replicate > 1:
+        mesh = init_device_mesh(
+            device_type,
+            (layout.dp_replicate, layout.dp_shard * layout.cp, layout.pp, layout.tp),
+            mesh_dim_names=("dp_replicate", "dp_shard_cp", "pp", "tp"),
+        )
+        shard_cp = unflatten_mesh(mesh["dp_shard_cp"], 0, (layout.dp_shard, layout.cp), ("dp_shard", "cp"))
+        return {
+            "data": mesh["dp_replicate", "dp_shard_cp"],
+            "cp": shard_cp["cp"],
+            "pp": mesh["pp"],
+            "tp": mesh["tp"],
+        }
+    mesh = init_device_mesh(
+        device_type, (layout.dp, layout.cp, layout.pp, layout.tp), mesh_dim_names=layout.MESH_DIMS
+    )
+    data = flatten_mesh(mesh["dp", "cp"], "dp_cp") if layout.cp > 1 else mesh["dp"]
+    roles = {"data": data, "cp": mesh["cp"], "pp": mesh["pp"], "tp": mesh["tp"]}
+    if layout.ep > 1:  # ep innermost in dp (Layout.ep_rank); "expert_data": the copies of one expert shard
+        split = unflatten_mesh(mesh["dp"], 0, (layout.expert_replicas, layout.ep), ("expert_data", "ep"))
+        roles.update(ep=split["ep"], expert_data=split["expert_data"])
+    return roles
