@@ -224,7 +224,7 @@ class Session:
         """`replicas` whole copies of the state (more than now) from the next step: new ranks start
         in free bundles and each takes the copy of the rank in its place of replica 0 (the others
         keep theirs). No storage read, no step redone. Returns the kept ranks' process ids."""
-        group, r, lay = self.group, self.config.resources, self.config.parallel.layout
+        group, r, lay, config = self.group, self.config.resources, self.config.parallel.layout, self.config
         if self.checkpoints.pending is not None:
             self.checkpoints.finish(group)
         per, before = lay.ranks_per_copy, lay.world_size
@@ -241,8 +241,16 @@ class Session:
             self.launch(self.position(), group, kept=True,
                         joined={rank: rank % per for rank in range(before, group.world_size)})
             return [n["pid"] for n in group.nodes[:before]]
+        except Exception as error:
+            # The ranks that were there still hold their state (Worker.keep_state): the joined ones
+            # go, and the elastic policy decides as for any loss (the survivors go on, by default).
+            group.forget_joined(before)
+            self.group, self.config = group, config  # as before the join (launch let go of both)
+            if isinstance(error, WorkerLostError) and error.rank is not None and error.rank >= before:
+                raise WorkerLostError(f"a rank that was joining: {error}", None, error.kind, error.step) from error
+            raise
         except BaseException:
-            group.shutdown()  # a fault while joining: the restart path starts from nothing
+            group.shutdown()  # interrupted: the run stops
             self.group = None
             raise
 

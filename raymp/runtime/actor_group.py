@@ -149,6 +149,15 @@ class ActorGroup:
         self.world_size = len(ranks)
         self._join(["rejoin"] * len(ranks), collective_timeout_s, rendezvous_timeout_s)
 
+    def forget_joined(self, before: int) -> None:
+        """A join that failed: the ranks it started (from `before` on) are killed and forgotten,
+        their bundles free for the next try. The kept ranks' process group is broken: they re-form
+        one among themselves when they go on (shrink_to)."""
+        self.kill_ranks(range(before, len(self.workers)))
+        self.workers = self.workers[:before]
+        self.placement.keep(list(range(before)))
+        self.world_size = before
+
     def joinable(self) -> int:
         """How many ranks grow() can start now (free bundles on live nodes)."""
         return len(self.placement.free()) if self.placement.has_free() else 0

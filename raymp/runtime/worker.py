@@ -117,7 +117,9 @@ class Worker(CheckpointCalls):
         """A host copy of this rank's whole training state, kept across rejoin() and set-up
         (elastic.keep_survivors; made already if a step lost a peer). Returns the optimizer
         steps it holds, so the driver can check every survivor stopped at the same step."""
-        if self.step_runner is not None:  # a rank whose step lost a peer made its copy as it left the group
+        # A copy made already is the state until restore_kept() puts it back: a rank whose step
+        # lost a peer made it as it left the group; a join that failed left its set-up unrestored.
+        if self._kept is None:
             self._kept = host_state(self.step_runner, self.engine, self.scheduler)
         return json.loads(self._kept["scheduler"])["last_epoch"]
 
@@ -166,6 +168,8 @@ class Worker(CheckpointCalls):
         if cfg.resources.return_freed_memory:
             return_large_buffers_to_os()
         self.coords = dims.coords(self.rank)
+        if not kept:
+            self._kept = None  # a state restored from elsewhere replaces any copy kept
         spec = model_spec(cfg.model, vocab_size, cfg.seed)
         if not kept:  # a survivor built this model before: its code is imported (a meta build: 25 ms)
             with torch.device("meta"):

@@ -205,3 +205,18 @@ class SlowRankWorker(Worker):
             return out
 
         self.step_runner.forward_backward = slowed
+
+
+class DiesJoiningOnceWorker(Worker):
+    """A rank started to join a running group (its actor's first set-up once
+    <output_dir>/die-joining exists) ends its process in that set-up, once: the marker goes
+    with it. The ranks already there may have built their new model by then, with their kept
+    state not yet put back in it."""
+
+    def setup(self, cfg, *args, **kwargs):
+        marker = os.path.join(cfg.output_dir, "die-joining")
+        if not getattr(self, "_set_up_before", False) and os.path.exists(marker):
+            os.remove(marker)
+            os._exit(1)
+        self._set_up_before = True
+        return super().setup(cfg, *args, **kwargs)

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 STEPS = 8
+# The matrix's mixture-of-experts model: a balance loss and a bias update, so the router biases
+# are model state that every step changes and a recovery has to carry over exactly.
+MOE_MODEL = {"preset": "tiny-moe", "max_seq_len": 64, "moe": {"aux_loss_coef": 0.1, "bias_update_rate": 0.01}}
 
 
 def matrix_cfg(root: Path, cache: str, ckpt: Path | str | None = None, **sections) -> dict:

@@ -6,9 +6,11 @@ is read and no step is redone. system/test_fault_matrix_cluster.py loses whole n
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from helpers.faults import STEPS, Reference, check_against_reference, kill_rank_after, matrix_cfg
+from helpers.faults import MOE_MODEL, STEPS, Reference, check_against_reference, kill_rank_after, matrix_cfg
 from raymp import Trainer
 from raymp.config import ConfigError, config_from_dict
 from raymp.config.rules import keeps_survivors
@@ -136,6 +138,32 @@ def test_lost_replicas_join_back_from_live_peers(parallel, lost, ref, data_cache
 
 
 @pytest.mark.timeout(300)
+def test_a_join_that_fails_leaves_the_survivors_training_and_is_tried_again(ref, data_cache, tmp_path):
+    """dp2: rank 1 is killed, rank 0 goes on alone; the rank started to join in its place dies in
+    its set-up. Rank 0 keeps the state it held (not the model it was rebuilding for the join), goes
+    on, and the join is tried again at the next step and succeeds: no checkpoint read, no step
+    redone, every step like one process."""
+    from helpers.ckpt_workers import DiesJoiningOnceWorker
+
+    cfg = matrix_cfg(tmp_path, data_cache, parallel={"zero": 0, "micro_batch_size": 1},
+                     elastic={"keep_survivors": True})
+    with Trainer(cfg, progress=False, worker_cls=DiesJoiningOnceWorker) as trainer:
+        trainer.setup()
+        pids = [n["pid"] for n in trainer.group.nodes]
+        (Path(trainer.config.output_dir) / "die-joining").touch()  # for the first rank that joins
+        kill_rank_after(trainer, 3, rank=1, until_room=True)
+        history = trainer.fit()
+        events, pids_after = trainer.restarts, [n["pid"] for n in trainer.group.nodes]
+        marker_left = (Path(trainer.config.output_dir) / "die-joining").exists()
+    assert not marker_left  # the first join's rank died
+    assert [e["recovery"] for e in events] == ["survivors", "survivors", "live join"]
+    assert all(e["checkpoint"] is None for e in events)
+    assert pids_after[0] == pids[0] and pids_after[1] not in pids  # rank 0's process throughout
+    assert [e["resumed_step"] for e in events[:2]] == [e["failed_step"] for e in events[:2]]
+    check_against_reference(history, ref, range(STEPS))
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("parallel, lost", [
     ({"dp": 2}, 1),
     ({"dp": 2, "pp": 2, "schedule": "1f1b"}, 3),
@@ -182,12 +210,9 @@ def test_a_loss_that_takes_every_whole_copy_restores_from_the_checkpoint(ref, da
     check_against_reference(history, ref, range(STEPS))
 
 
-MOE = {"preset": "tiny-moe", "max_seq_len": 64, "moe": {"aux_loss_coef": 0.1, "bias_update_rate": 0.01}}
-
-
 @pytest.fixture(scope="module")
 def moe_ref(data_cache, tmp_path_factory):
-    return Reference.of(matrix_cfg(tmp_path_factory.mktemp("moe_ref"), data_cache, model=MOE))
+    return Reference.of(matrix_cfg(tmp_path_factory.mktemp("moe_ref"), data_cache, model=MOE_MODEL))
 
 
 @pytest.mark.timeout(300)
@@ -203,7 +228,7 @@ def test_an_moe_run_loses_a_rank_like_a_dense_one(parallel, lost, recovery, moe_
     step once, each loss within 1e-5 of one process, the global order's samples. Under expert
     parallelism the lost rank's ep group goes with it (no whole copy of the state is left in
     it); the other group goes on, and a joined group takes its experts, shard by shard."""
-    cfg = matrix_cfg(tmp_path, data_cache, model=MOE, parallel={"zero": 0, "micro_batch_size": 1, **parallel},
+    cfg = matrix_cfg(tmp_path, data_cache, model=MOE_MODEL, parallel={"zero": 0, "micro_batch_size": 1, **parallel},
                      elastic={"keep_survivors": True, "grow_back": recovery == "live join"})
     with Trainer(cfg, progress=False) as trainer:
         trainer.setup()
