@@ -28,7 +28,7 @@ from raymp.runtime.simulated_cluster import SimulatedCluster
 from raymp.runtime.worker import Worker
 
 from helpers import faults
-from helpers.faults import Hung, matrix_cfg
+from helpers.faults import MOE_MODEL, Hung, matrix_cfg
 
 TESTS = Path(__file__).resolve().parents[1]  # the probe runs as `python -m helpers.fault_cluster_probe` there
 
@@ -246,6 +246,11 @@ SCENARIOS = {
         rank=0,
         parallel={"pp": 2, "tp": 2, "micro_batch_size": 1},
         elastic={"keep_survivors": True},
+    ),
+    # Expert parallelism can not outlive its ep group (the ep ranks hold one copy of the experts
+    # between them): the restart at dp1 re-plans ep to 1 and reshards the experts from storage.
+    "node loss, MoE dp2 x ep2 -> dp1 x ep1, experts resharded": lambda p, r: node_loss(
+        p, r, parallel={"ep": 2, "micro_batch_size": 1}, model=MOE_MODEL
     ),
     "node loss before the first checkpoint": lambda p, r: node_loss(
         p, r, after=1, committed=None, checkpoint={"every": 4}

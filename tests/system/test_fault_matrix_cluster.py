@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from helpers.fault_cluster_probe import BOUND_S, SCENARIOS
-from helpers.faults import STEPS, Reference, check_against_reference, matrix_cfg
+from helpers.faults import MOE_MODEL, STEPS, Reference, check_against_reference, matrix_cfg
 from helpers.cli import ROOT
 
 TESTS = ROOT / "tests"  # the probe runs as a module of tests/helpers
@@ -180,6 +180,18 @@ def test_a_group_on_one_node_keeps_its_peer_copy_on_another(results, refs):
     copy = r["copy"]
     assert len(set(copy["nodes"])) == 1 and set(copy["copy_nodes"]).isdisjoint(copy["nodes"])
     assert event["checkpoint"] == "peer memory" and event["resumed_step"] >= copy["step"]
+
+
+def test_an_expert_parallel_run_loses_its_ep_group_and_restarts_resharded(results, refs):
+    """dp2 x ep2: the two ranks hold one copy of the experts between them, so a node loss leaves
+    no whole copy in memory. The restart at dp1 re-plans ep to 1 (ep must divide dp) and loads
+    each block's experts, sharded over two ranks when saved, whole from the checkpoint."""
+    r = finished(results, "node loss, MoE dp2 x ep2 -> dp1 x ep1, experts resharded",
+                 refs(model=MOE_MODEL, parallel={"micro_batch_size": 1}))
+    (event,) = r["restarts"]
+    assert event["recovery"] == "restart" and event["checkpoint"].endswith("step-00000002")
+    assert [(e["layout_before"]["ep"], e["layout_after"]["ep"]) for e in r["restarts"]] == [(2, 1)]
+    assert restart_layouts(r) == [("failure", 2, 1)] and event["resumed_step"] == 2
 
 
 def test_node_loss_before_the_first_checkpoint_starts_over(results, refs):
