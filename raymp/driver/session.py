@@ -247,7 +247,9 @@ class Session:
             group.forget_joined(before)
             self.group, self.config = group, config  # as before the join (launch let go of both)
             if isinstance(error, WorkerLostError) and error.rank is not None and error.rank >= before:
-                raise WorkerLostError(f"a rank that was joining: {error}", None, error.kind, error.step) from error
+                # a new rank: no rank of the layout the survivors go on in
+                lost = WorkerLostError(f"a rank that was joining: {error}", None, error.kind, error.step)
+                raise lost from error
             raise
         except BaseException:
             group.shutdown()  # interrupted: the run stops
