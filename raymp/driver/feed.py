@@ -112,11 +112,10 @@ class DataFeed:
         batches = [
             self.order.val_ids[i * t.global_batch_size : (i + 1) * t.global_batch_size] for i in range(n)
         ]
-        args = []
+        args, rows = [], layout.local_batch(t.global_batch_size)
         for rank in range(layout.world_size):
             c = layout.coords(rank)
             if c["pp"] == 0:
-                rows = layout.local_batch(t.global_batch_size)
                 args.append(([self.data.gather(replica_slice(b, rows, c["dp"])) for b in batches],))
             else:
                 args.append(([None] * n,))

@@ -224,7 +224,8 @@ class Session:
         """`replicas` whole copies of the state (more than now) from the next step: new ranks start
         in free bundles and each takes the copy of the rank in its place of replica 0 (the others
         keep theirs). No storage read, no step redone. Returns the kept ranks' process ids."""
-        group, r, lay, config = self.group, self.config.resources, self.config.parallel.layout, self.config
+        config = self.config  # put back if the join fails
+        group, r, lay = self.group, config.resources, config.parallel.layout
         if self.checkpoints.pending is not None:
             self.checkpoints.finish(group)
         per, before = lay.ranks_per_copy, lay.world_size

@@ -168,10 +168,9 @@ class Worker(CheckpointCalls):
         if cfg.resources.return_freed_memory:
             return_large_buffers_to_os()
         self.coords = dims.coords(self.rank)
-        if not kept:
-            self._kept = None  # a state restored from elsewhere replaces any copy kept
         spec = model_spec(cfg.model, vocab_size, cfg.seed)
         if not kept:  # a survivor built this model before: its code is imported (a meta build: 25 ms)
+            self._kept = None  # a state restored from elsewhere replaces any copy kept
             with torch.device("meta"):
                 spec.build_meta()  # imports the model's code first: setup_peak_bytes counts memory, not code
         rss_before = reset_peak_rss()
