@@ -170,10 +170,6 @@ def _expert_problems(layout: Layout, shape: ModelShape):
     if layout.dp % ep:
         yield (f"parallel.ep ({ep}) must divide parallel.dp ({layout.dp}): expert parallelism shards experts "
                f"over ep of the dp replicas; set parallel.dp to a multiple of {ep}")
-    if layout.zero == 1:
-        yield ("parallel.zero=1 (ZeroRedundancyOptimizer) does not take expert-parallel (DTensor) "
-               "parameters; use parallel.zero=2 (same memory for optimizer state, plus sharded gradients) "
-               "or 0")
     # (tp and cp with MoE blocks are refused for every MoE layout: _tensor_problems, _context_problems)
     if layout.dp_replicate > 1:
         yield ("parallel.ep > 1 with HSDP (parallel.dp_replicate > 1) is not built yet; set "

@@ -168,11 +168,13 @@ def estimate(args, layout: Layout, global_batch: int, seq_len: int, bf16: bool,
         mine = local_stages(rank, pp, len(layers), layout.schedule) if pp > 1 else [0]
         first, last = 0 in mine, len(layers) - 1 in mine
         psi = sum(stage_params(args, layers[s], s == 0, s == len(layers) - 1, tp, layout.ep) for s in mine)
-        # ZeRO shards a rank's share of the routed experts over the ranks holding the same ones
+        # ZeRO shards a rank's share of the routed experts over the ranks holding the same ones,
+        # except ZeRO-1 under ep, whose experts keep a plain AdamW (raymp.parallel.zero)
         experts = sum(args.routed_expert_params(layer) for s in mine for layer in layers[s]) / layout.ep
+        experts_zero = 0 if layout.zero == 1 and layout.ep > 1 else layout.zero
         p, g, o, working = (dense + routed for dense, routed in zip(
             _model_state(psi - experts, layout.zero, layout.zero_shards, bf16),
-            _model_state(experts, layout.zero, layout.zero_shards // layout.ep, bf16)))
+            _model_state(experts, experts_zero, layout.zero_shards // layout.ep, bf16)))
         held = [layer for s in mine for layer in layers[s]]
         n_blocks = len(held)
         per_mb = (n_blocks * block_input * stream_bytes if layout.activation_checkpointing

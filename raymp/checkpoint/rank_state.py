@@ -65,17 +65,19 @@ def model_tensors(modules, tied: bool) -> dict[str, list[tuple[torch.Tensor, boo
     return entries
 
 
-def optimizer_params(engine, tied: bool) -> list[tuple[str, bool, torch.nn.Parameter]]:
-    """(key, is_alias, parameter) for the parameters whose optimizer state lives on this rank."""
+def optimizer_params(engine, tied: bool) -> list[tuple[str, bool, torch.nn.Parameter, dict]]:
+    """(key, is_alias, parameter, the state map of the optimizer that holds its state) for the
+    parameters whose optimizer state lives on this rank."""
     names = {}
     for module in engine.modules:
         for name, param in module.named_parameters():
             names.setdefault(id(param), clean_name(name))
     out = []
-    for group in engine.local_optimizer().param_groups:
-        for param in group["params"]:
-            key, alias = canonical(names[id(param)], tied)
-            out.append((key, alias, param))
+    for optimizer in engine.local_optimizers():
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                key, alias = canonical(names[id(param)], tied)
+                out.append((key, alias, param, optimizer.state))
     return out
 
 
@@ -105,11 +107,10 @@ def save_state(step_runner, engine, scheduler, rank: int) -> dict:
         owned = [t for t, alias in tensors if not alias]
         if owned:
             sd[f"model.{key}"] = owned[0]
-    optim = engine.local_optimizer()
-    for key, alias, param in optimizer_params(engine, tied):
+    for key, alias, param, states in optimizer_params(engine, tied):
         if alias:
             continue
-        for name, value in optim.state.get(param, {}).items():
+        for name, value in states.get(param, {}).items():
             sd[f"optim.{key}.{name}"] = value
     sd = host_copy(sd)
     sd["optim.param_groups"] = _group_hyperparameters(engine.optimizer)
@@ -281,10 +282,9 @@ class RankCheckpointer:
                 first = tensors[0][0]
                 for other, _ in tensors[1:]:
                     _local(other).copy_(_local(first))
-        optim = engine.local_optimizer()
         for key, (params, state) in optim_targets.items():
-            for i, param in enumerate(params):
-                optim.state[param] = state if i == 0 else {k: v.clone() for k, v in state.items()}
+            for i, (param, states) in enumerate(params):
+                states[param] = state if i == 0 else {k: v.clone() for k, v in state.items()}
         restore_schedule_position(scheduler, json.loads(sd["scheduler"]))
         if "torch" in rng:
             torch.set_rng_state(rng["torch"])
@@ -299,12 +299,12 @@ class RankCheckpointer:
         )
 
     def _optimizer_targets(self, saved, engine, tied, path) -> dict:
-        """key -> ([parameters], {state name: empty tensor shaped like the saved entry}).
-        A parameter the checkpoint has no optimizer state for keeps a fresh (lazy) state."""
+        """key -> ([(parameter, its optimizer's state map)], {state name: empty tensor shaped like the
+        saved entry}). A parameter the checkpoint has no optimizer state for keeps a fresh (lazy) state."""
         targets: dict = {}
-        for key, _, param in optimizer_params(engine, tied):
+        for key, _, param, states in optimizer_params(engine, tied):
             if key in targets:
-                targets[key][0].append(param)
+                targets[key][0].append((param, states))
                 continue
             prefix = f"optim.{key}."
             names = [k[len(prefix):] for k in saved if k.startswith(prefix) and "." not in k[len(prefix):]]
@@ -321,7 +321,7 @@ class RankCheckpointer:
                         f"{tuple(meta.size)}, but the parameter is {tuple(param.shape)}: it was saved "
                         "from a different model (check the model section of the config)")
             if state:
-                targets[key] = ([param], state)
+                targets[key] = ([(param, states)], state)
         return targets
 
 
@@ -334,9 +334,8 @@ def host_state(step_runner, engine, scheduler) -> dict:
                 block.reshard()
     tied = step_runner.tied_embeddings
     sd = {f"model.{key}": tensors[0][0] for key, tensors in model_tensors(engine.modules, tied).items()}
-    optim = engine.local_optimizer()
-    for key, _, param in optimizer_params(engine, tied):
-        for name, value in optim.state.get(param, {}).items():
+    for key, _, param, states in optimizer_params(engine, tied):
+        for name, value in states.get(param, {}).items():
             sd.setdefault(f"optim.{key}.{name}", value)
     # Local pieces only: a DTensor would keep its mesh (and the groups being left) alive.
     sd = {k: _local(v).detach().to("cpu", copy=True) for k, v in sd.items()}
@@ -355,13 +354,12 @@ def load_host_state(sd: dict, step_runner, engine, scheduler) -> None:
         for key, tensors in model_tensors(engine.modules, tied).items():
             for tensor, _ in tensors:
                 _local(tensor).copy_(sd[f"model.{key}"])
-    optim = engine.local_optimizer()
-    for key, _, param in optimizer_params(engine, tied):
+    for key, _, param, states in optimizer_params(engine, tied):
         prefix = f"optim.{key}."
         state = {k[len(prefix):]: _like(param, v) for k, v in sd.items()
                  if k.startswith(prefix) and "." not in k[len(prefix):]}
         if state:
-            optim.state[param] = state
+            states[param] = state
     restore_schedule_position(scheduler, json.loads(sd["scheduler"]))
     torch.set_rng_state(sd["rng.torch"])
 

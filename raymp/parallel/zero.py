@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -151,15 +152,17 @@ class DataParallelEngine:
     def optimizer_params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
-    def local_optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer whose state lives on this rank."""
-        return self.optimizer
+    def local_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers whose state lives on this rank (their param_groups list exactly the
+        parameters whose state this rank holds)."""
+        return [self.optimizer]
 
     def optimizer_state_tensors(self):
-        for state in self.local_optimizer().state.values():
-            for v in state.values():
-                if torch.is_tensor(v) and v.dim() > 0:  # skip scalar 'step' counters
-                    yield v
+        for optimizer in self.local_optimizers():
+            for state in optimizer.state.values():
+                for v in state.values():
+                    if torch.is_tensor(v) and v.dim() > 0:  # skip scalar 'step' counters
+                        yield v
 
     def state_bytes(self) -> dict[str, int]:
         """Model-state bytes this rank holds right now: call after optimizer.step(), before
@@ -215,14 +218,11 @@ class DDPEngine(DataParallelEngine):
         ] if self.wrapped else list(modules)
         params = [p for m in modules for p in m.parameters()]
         if zero == 1:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
-            self.optimizer = ZeroRedundancyOptimizer(
-                param_groups(params, opt_cfg.weight_decay),
-                optimizer_class=torch.optim.AdamW,
-                process_group=dp_mesh.get_group(),
-                **adamw_kwargs(opt_cfg),
-            )
+            dense = [p for p in params if id(p) not in self.expert_ids]
+            experts = [p for p in params if id(p) in self.expert_ids]
+            self.optimizer = _zero1_optimizer(dense, opt_cfg, self.dp_group)
+            if experts:
+                self.optimizer = ExpertsApartOptimizer(self.optimizer, build_optimizer(experts, opt_cfg))
         else:
             self.optimizer = build_optimizer(params, opt_cfg)
 
@@ -255,8 +255,43 @@ class DDPEngine(DataParallelEngine):
         for g, reduced in zip(grads, unflatten_dense_tensors(flat, grads)):
             g.copy_(reduced)
 
-    def local_optimizer(self) -> torch.optim.Optimizer:
-        return getattr(self.optimizer, "optim", self.optimizer)  # ZeRO-1: this rank's shard
+    def local_optimizers(self) -> list[torch.optim.Optimizer]:
+        optimizer = self.optimizer
+        parts = optimizer.parts if isinstance(optimizer, ExpertsApartOptimizer) else [optimizer]
+        return [getattr(part, "optim", part) for part in parts]  # ZeRO-1: this rank's shard
+
+
+def _zero1_optimizer(params, opt_cfg, group) -> torch.optim.Optimizer:
+    return ZeroRedundancyOptimizer(param_groups(params, opt_cfg.weight_decay),
+                                   optimizer_class=torch.optim.AdamW, process_group=group,
+                                   **adamw_kwargs(opt_cfg))
+
+
+class ExpertsApartOptimizer(torch.optim.Optimizer):
+    """ZeRO-1 under expert parallelism. ZeroRedundancyOptimizer shards the dense parameters'
+    state over dp, but it takes no DTensor: the experts (already split over ep) get a plain AdamW
+    whose state is this rank's 1/ep share, the same on every rank that holds those experts
+    (raymp.planner prices it so). One optimizer to the schedule and the step: its param groups
+    are the parts' own dicts, so the lr the schedule sets reaches both."""
+
+    def __init__(self, dense: torch.optim.Optimizer, experts: torch.optim.Optimizer):
+        self.parts = [dense, experts]
+        super().__init__([g for part in self.parts for g in part.param_groups], {})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("ExpertsApartOptimizer takes no closure")
+        for part in self.parts:
+            part.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none)
+
+    def state_dict(self):
+        raise NotImplementedError("raymp saves optimizer state per parameter (raymp.checkpoint.rank_state); "
+                                  "ask each of .parts")
 
 
 class FSDPEngine(DataParallelEngine):

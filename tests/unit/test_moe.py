@@ -152,7 +152,6 @@ def test_published_moe_shapes():
     ({"model": {"preset": "tiny"}, "parallel": {"dp": 2, "ep": 2}}, "parallel.ep=1, or pick an MoE model"),
     ({"model": {"preset": "tiny-moe"}, "parallel": {"dp": 3, "ep": 3}}, "model.moe.n_experts (8)"),
     ({"model": {"preset": "tiny-moe"}, "parallel": {"dp": 2, "ep": 4}}, "must divide parallel.dp (2)"),
-    ({"model": {"preset": "tiny-moe"}, "parallel": {"dp": 2, "ep": 2, "zero": 1}}, "parallel.zero=1"),
     ({"model": {"preset": "tiny-moe"}, "parallel": {"dp": 4, "ep": 2, "zero": 3, "dp_replicate": 2}},
      "parallel.dp_replicate=1"),
     ({"model": {"hf_config": {"model_type": "mixtral", "hidden_size": 64, "num_hidden_layers": 2,
