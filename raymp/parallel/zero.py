@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -218,9 +217,15 @@ class DDPEngine(DataParallelEngine):
         ] if self.wrapped else list(modules)
         params = [p for m in modules for p in m.parameters()]
         if zero == 1:
+            # Imported here: torch.distributed.optim scripts functional optimizers with
+            # torch.jit when imported, a deprecation warning wherever those show; ZeRO-1 only.
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
             dense = [p for p in params if id(p) not in self.expert_ids]
             experts = [p for p in params if id(p) in self.expert_ids]
-            self.optimizer = _zero1_optimizer(dense, opt_cfg, self.dp_group)
+            self.optimizer = ZeroRedundancyOptimizer(
+                param_groups(dense, opt_cfg.weight_decay), optimizer_class=torch.optim.AdamW,
+                process_group=self.dp_group, **adamw_kwargs(opt_cfg))
             if experts:
                 self.optimizer = ExpertsApartOptimizer(self.optimizer, build_optimizer(experts, opt_cfg))
         else:
@@ -259,12 +264,6 @@ class DDPEngine(DataParallelEngine):
         optimizer = self.optimizer
         parts = optimizer.parts if isinstance(optimizer, ExpertsApartOptimizer) else [optimizer]
         return [getattr(part, "optim", part) for part in parts]  # ZeRO-1: this rank's shard
-
-
-def _zero1_optimizer(params, opt_cfg, group) -> torch.optim.Optimizer:
-    return ZeroRedundancyOptimizer(param_groups(params, opt_cfg.weight_decay),
-                                   optimizer_class=torch.optim.AdamW, process_group=group,
-                                   **adamw_kwargs(opt_cfg))
 
 
 class ExpertsApartOptimizer(torch.optim.Optimizer):
