@@ -159,8 +159,12 @@ class Layout:
     def settings_at_dp(self, dp: int) -> dict[str, int]:
         """The parallel settings of this layout re-planned to `dp` replicas (a restart after a
         loss, a resize): under expert parallelism ep becomes the largest degree that divides both
-        the old ep and the new dp (a checkpoint reshards the experts to it)."""
-        return {"dp": dp} if self.ep == 1 else {"dp": dp, "ep": math.gcd(self.ep, dp)}
+        the old ep and the new dp, under HSDP the new dp of each group (a checkpoint reshards the
+        experts to it)."""
+        if self.ep == 1:
+            return {"dp": dp}
+        group = dp // self.dp_replicate if dp % self.dp_replicate == 0 else dp  # else refused by the rules
+        return {"dp": dp, "ep": math.gcd(self.ep, group)}
 
     def micro_batches(self, global_batch: int) -> int:
         """Micro-batches each replica runs per optimizer step."""

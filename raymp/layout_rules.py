@@ -171,9 +171,10 @@ def _expert_problems(layout: Layout, shape: ModelShape):
         yield (f"parallel.ep ({ep}) must divide parallel.dp ({layout.dp}): expert parallelism shards experts "
                f"over ep of the dp replicas; set parallel.dp to a multiple of {ep}")
     # (tp and cp with MoE blocks are refused for every MoE layout: _tensor_problems, _context_problems)
-    if layout.dp_replicate > 1:
-        yield ("parallel.ep > 1 with HSDP (parallel.dp_replicate > 1) is not built yet; set "
-               "parallel.dp_replicate=1 (ZeRO 2/3 then shard over all of dp), or parallel.ep=1")
+    if layout.dp_replicate > 1 and layout.dp % layout.dp_replicate == 0 and layout.dp_shard % ep:
+        yield (f"parallel.ep ({ep}) must divide each HSDP group's ranks (parallel.dp / parallel.dp_replicate "
+               f"= {layout.dp_shard}): every group holds all the experts; change parallel.ep or "
+               "parallel.dp_replicate")
 
 
 def _context_problems(layout: Layout, shape: ModelShape, seq_len: int):

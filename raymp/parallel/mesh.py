@@ -14,7 +14,8 @@ def device_mesh(layout: Layout, device_type: str) -> dict:
     gradients average over and ZeRO shards over: dp, or dp and cp flattened into one; under
     HSDP a 2-D mesh (replicate, shard), which FSDP2 reads as shard along the second dimension,
     replicate along the first. Under expert parallelism also "ep" (the ranks that split each
-    block's experts) and "expert_data" (the ranks that hold the same expert shard)."""
+    block's experts) and "expert_data" (the ranks that hold the same expert shard; under HSDP a
+    2-D mesh too: the groups, and the ranks of one group that hold the same experts)."""
     if layout.dp_replicate > 1:
         mesh = init_device_mesh(
             device_type,
@@ -22,12 +23,12 @@ def device_mesh(layout: Layout, device_type: str) -> dict:
             mesh_dim_names=("dp_replicate", "dp_shard_cp", "pp", "tp"),
         )
         shard_cp = unflatten_mesh(mesh["dp_shard_cp"], 0, (layout.dp_shard, layout.cp), ("dp_shard", "cp"))
-        return {
-            "data": mesh["dp_replicate", "dp_shard_cp"],
-            "cp": shard_cp["cp"],
-            "pp": mesh["pp"],
-            "tp": mesh["tp"],
-        }
+        roles = {"data": mesh["dp_replicate", "dp_shard_cp"], "cp": shard_cp["cp"], "pp": mesh["pp"],
+                 "tp": mesh["tp"]}
+        if layout.ep > 1:  # inside each HSDP group (no cp with MoE): its experts HSDP-sharded over the groups
+            split = unflatten_mesh(mesh, 1, (layout.dp_shard // layout.ep, layout.ep), ("expert_shard", "ep"))
+            roles.update(ep=split["ep"], expert_data=split["dp_replicate", "expert_shard"])
+        return roles
     mesh = init_device_mesh(
         device_type, (layout.dp, layout.cp, layout.pp, layout.tp), mesh_dim_names=layout.MESH_DIMS
     )

@@ -80,9 +80,21 @@ def test_moe_expert_parallel_pipeline_matches_single_process(schedule, group4, t
                      weight_atol=5e-5)
 
 
-def test_moe_hsdp_matches_single_process(group4, tiny_cfg):
-    """dp 4 as 2 replicas x 2 shards: the routing counts are summed over both mesh dimensions."""
-    check_moe_parity(moe_cfg(tiny_cfg, dp=4, dp_replicate=2, zero=3, micro_batch_size=1), group4)
+@pytest.mark.parametrize("ep", [1, 2])
+def test_moe_hsdp_matches_single_process(ep, group4, tiny_cfg):
+    """dp 4 as 2 replicas x 2 shards: the routing counts are summed over both mesh dimensions.
+    With ep 2 each group's two ranks split the experts, and the groups replicate them."""
+    history = check_moe_parity(moe_cfg(tiny_cfg, dp=4, dp_replicate=2, ep=ep, zero=3, micro_batch_size=1),
+                               group4, weight_atol=5e-5 if ep > 1 else 2e-5)
+    assert all((m.get("moe_all_to_all_s", 0) > 0) == (ep > 1) for m in history)
+
+
+def test_moe_eight_actor_hsdp_expert_parallel_layout_matches(group8, tiny_cfg):
+    """dp 8 as 2 HSDP groups of 4 with ep 2, ZeRO-2: each group's experts split over ep 2 and each
+    shard sharded again over the group's two ranks that hold it, replicated over the groups."""
+    history = check_moe_parity(moe_cfg(tiny_cfg, dp=8, dp_replicate=2, ep=2, zero=2, micro_batch_size=1),
+                               group8, weight_atol=5e-5)
+    assert all(m["moe_all_to_all_s"] > 0 for m in history)
 
 
 def test_moe_eight_actor_layout_matches(group8, tiny_cfg):
@@ -188,6 +200,17 @@ def test_planner_memory_estimate_matches_moe_runs(parallel, group2, tiny_cfg):
     cfg = moe_cfg(tiny_cfg, **parallel)
     cfg["train"] = {**cfg["train"], "steps": 1}
     with Trainer(cfg, actor_group=group2, progress=False) as t:
+        metrics = t.step()
+    measured, estimated = metrics["memory_measured_bytes_max"], metrics["memory_estimate_bytes_max"]
+    assert abs(estimated - measured) <= 0.05 * measured, (measured, estimated)
+
+
+def test_planner_memory_estimate_matches_an_hsdp_expert_parallel_run(group4, tiny_cfg):
+    """HSDP 2x2 with ep 2, ZeRO-3: the experts split by ep inside each group and replicated over
+    the groups, priced as the run holds them (within 5%)."""
+    cfg = moe_cfg(tiny_cfg, dp=4, dp_replicate=2, ep=2, zero=3)
+    cfg["train"] = {**cfg["train"], "steps": 1}
+    with Trainer(cfg, actor_group=group4, progress=False) as t:
         metrics = t.step()
     measured, estimated = metrics["memory_measured_bytes_max"], metrics["memory_estimate_bytes_max"]
     assert abs(estimated - measured) <= 0.05 * measured, (measured, estimated)

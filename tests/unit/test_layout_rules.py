@@ -272,12 +272,15 @@ def test_the_planner_shards_routed_experts_over_ep_and_prices_a_collapsed_router
 
 def test_a_restart_with_fewer_replicas_replans_ep_to_what_divides_them():
     """dp 4 x ep 4 that comes back with room for 2 or 3 replicas: ep 2 at dp 2 (a checkpoint
-    reshards the experts), and at dp 3 no ep > 1 divides both: ep 1."""
+    reshards the experts), and at dp 3 no ep > 1 divides both: ep 1. Under HSDP ep must divide
+    each group's new size."""
     from raymp.elastic import largest_valid_dp, with_dp
 
     assert Layout(dp=4, ep=4).settings_at_dp(2) == {"dp": 2, "ep": 2}
     assert Layout(dp=4, ep=4).settings_at_dp(3) == {"dp": 3, "ep": 1}
     assert Layout(dp=4).settings_at_dp(3) == {"dp": 3}
+    # HSDP: ep within each group; 2 groups at dp 4 hold 2 ranks each, so ep 4 becomes 2
+    assert Layout(dp=8, ep=4, zero=3, dp_replicate=2).settings_at_dp(4) == {"dp": 4, "ep": 2}
     cfg = config_from_dict({"model": {"preset": "tiny-moe"}, "parallel": {"dp": 4, "ep": 4},
                             "train": {"global_batch_size": 8, "seq_len": 32}, "tracking": {"enabled": False}})
     assert largest_valid_dp(cfg, 3) == 2  # a global batch of 8 does not split over 3
