@@ -221,13 +221,15 @@ def moe_ref(data_cache, tmp_path_factory):
     ({"dp": 4}, 2, "live join"),
     ({"dp": 4, "ep": 2}, 3, "survivors"),
     ({"dp": 4, "ep": 2}, 2, "live join"),
-], ids=["dp2xpp2-survivors", "dp4-live-join", "dp4xep2-survivors", "dp4xep2-live-join"])
+    ({"dp": 4, "dp_replicate": 2, "ep": 2, "zero": 3}, 3, "survivors"),
+], ids=["dp2xpp2-survivors", "dp4-live-join", "dp4xep2-survivors", "dp4xep2-live-join", "hsdp2x2xep2-survivors"])
 def test_an_moe_run_loses_a_rank_like_a_dense_one(parallel, lost, recovery, moe_ref, data_cache, tmp_path):
     """A mixture-of-experts run: the router biases (model state the bias update changes every
     step) and the routing counts of the step in flight must come through a loss exactly: every
     step once, each loss within 1e-5 of one process, the global order's samples. Under expert
     parallelism the lost rank's ep group goes with it (no whole copy of the state is left in
-    it); the other group goes on, and a joined group takes its experts, shard by shard."""
+    it); the other group goes on, and a joined group takes its experts, shard by shard. Under
+    HSDP with ep the lost rank's HSDP group goes, and the other group holds every expert."""
     cfg = matrix_cfg(tmp_path, data_cache, model=MOE_MODEL, parallel={"zero": 0, "micro_batch_size": 1, **parallel},
                      elastic={"keep_survivors": True, "grow_back": recovery == "live join"})
     with Trainer(cfg, progress=False) as trainer:
