@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from raymp.models.moe import RoutedExperts, finish_routing, moe_blocks, swiglu_experts
+from raymp.parallel.pipeline import mark_weight_views
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
 
@@ -87,6 +88,7 @@ class ExpertParallelExperts(RoutedExperts):
             received.flatten())
         order = expert_of_row.argsort(stable=True)
         weights = [w.to_local() for w in (self.w1, self.w3, self.w2)]
+        mark_weight_views(weights)
         out = run_local_experts(tokens[order], received.sum(0), weights)
         out = out.new_empty(out.shape).index_copy(0, order, out)  # back to the order they came in
         return _Exchange.apply(out, sent_splits, received_splits, self.ep_group, self.clock)

@@ -129,12 +129,24 @@ class StepClock:
             self.events.append((stage, kind, micro_batch, start, time.perf_counter() - self.t0))
 
 
+_WEIGHT_VIEW = "_raymp_weight_view"
+
+
+def mark_weight_views(tensors) -> None:
+    """Say that `tensors` are views of parameters' storage that a module hands to an op as plain
+    tensors (expert parallelism's local expert weights, DTensor.to_local()): what autograd saves
+    of them is the parameters' memory, not an activation, and the ActivationMeter skips it."""
+    for t in tensors:
+        setattr(view_base(t), _WEIGHT_VIEW, True)
+
+
 class ActivationMeter:
     """Bytes of tensors autograd keeps for backward (activations), live and peak.
 
     Counted through saved-tensor hooks, by storage, so a tensor saved twice counts once and
-    memory returns to the meter when autograd frees the graph. Parameters are not activations
-    and are skipped. Works on any device (torch's CPU allocator keeps no statistics)."""
+    memory returns to the meter when autograd frees the graph. Parameters (and views of their
+    storage: mark_weight_views) are not activations and are skipped. Works on any device
+    (torch's CPU allocator keeps no statistics)."""
 
     def __init__(self):
         self.live = 0
@@ -171,7 +183,8 @@ class ActivationMeter:
         def pack(t: torch.Tensor):
             meter.on_activation()
             base = view_base(t)
-            if isinstance(base, nn.Parameter) or t.device.type == "meta":
+            parameter = isinstance(base, nn.Parameter) or getattr(base, _WEIGHT_VIEW, False)
+            if parameter or t.device.type == "meta":
                 return _Saved(t, None)
             local = dtensor_local(t) if isinstance(t, DTensor) else t  # TP: this rank's piece
             try:

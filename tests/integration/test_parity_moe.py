@@ -8,6 +8,9 @@ import pytest
 import torch
 
 from raymp.config import config_from_dict
+from raymp.models import model_args
+from raymp.models.moe import MoEArgs
+from raymp.planner import estimate
 from raymp.reference import train_single_process
 from raymp.trainer import Trainer
 from helpers.parity import LOSS_RTOL, assert_losses_match, assert_weights_match, run_parallel
@@ -189,6 +192,29 @@ def _same_routing(got: dict, want: dict) -> bool:
                and got[b]["aux_loss"] == pytest.approx(want[b]["aux_loss"], rel=1e-5) for b in want)
 
 
+def check_memory_estimate(cfg: dict, group) -> None:
+    """Measured model state + saved activations (largest rank, first step) against the planner:
+    within 5% without expert parallelism. Under ep the planner prices each rank's expert
+    activations at the most a dropless router can send it (MoEArgs.received_share), a bound this
+    step's router does not reach: the measure lies between the estimate at balanced routing
+    (less 5%) and that bound."""
+    cfg = {**cfg, "train": {**cfg["train"], "steps": 1}}
+    with Trainer(cfg, actor_group=group, progress=False) as t:
+        metrics = t.step()
+        config, vocab = t.config, t.data.vocab_size
+    measured, estimated = metrics["memory_measured_bytes_max"], metrics["memory_estimate_bytes_max"]
+    lay = config.parallel.layout
+    if lay.ep == 1:
+        assert abs(estimated - measured) <= 0.05 * measured, (measured, estimated)
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(MoEArgs, "received_share", lambda self, ep: 1.0)
+        ranks = estimate(model_args(config.model, vocab), lay, config.train.global_batch_size,
+                         config.train.seq_len, config.bf16)
+    balanced = max(r.model_state_bytes + r.activation_bytes for r in ranks)  # as the step reports it
+    assert 0.95 * balanced <= measured <= estimated, (balanced, measured, estimated)
+
+
 @pytest.mark.parametrize(
     "parallel", [dict(dp=2, zero=1), dict(dp=1, pp=2), dict(dp=2, zero=3, activation_checkpointing=True),
                  dict(dp=2, ep=2), dict(dp=2, ep=2, zero=1), dict(dp=2, ep=2, zero=3)]
@@ -196,21 +222,13 @@ def _same_routing(got: dict, want: dict) -> bool:
 def test_planner_memory_estimate_matches_moe_runs(parallel, group2, tiny_cfg):
     """The planner counts each block as it is (dense or MoE: its experts' state, the routed
     copies and expert activations it saves): within 5% of the measured model state +
-    activations on every layout (measured here within 0.1%)."""
-    cfg = moe_cfg(tiny_cfg, **parallel)
-    cfg["train"] = {**cfg["train"], "steps": 1}
-    with Trainer(cfg, actor_group=group2, progress=False) as t:
-        metrics = t.step()
-    measured, estimated = metrics["memory_measured_bytes_max"], metrics["memory_estimate_bytes_max"]
-    assert abs(estimated - measured) <= 0.05 * measured, (measured, estimated)
+    activations without ep (measured here within 0.1%), and within its routing bound under ep
+    (check_memory_estimate)."""
+    check_memory_estimate(moe_cfg(tiny_cfg, **parallel), group2)
 
 
-def test_planner_memory_estimate_matches_an_hsdp_expert_parallel_run(group4, tiny_cfg):
-    """HSDP 2x2 with ep 2, ZeRO-3: the experts split by ep inside each group and replicated over
-    the groups, priced as the run holds them (within 5%)."""
-    cfg = moe_cfg(tiny_cfg, dp=4, dp_replicate=2, ep=2, zero=3)
-    cfg["train"] = {**cfg["train"], "steps": 1}
-    with Trainer(cfg, actor_group=group4, progress=False) as t:
-        metrics = t.step()
-    measured, estimated = metrics["memory_measured_bytes_max"], metrics["memory_estimate_bytes_max"]
-    assert abs(estimated - measured) <= 0.05 * measured, (measured, estimated)
+@pytest.mark.parametrize("parallel", [dict(dp=4, ep=4, zero=3), dict(dp=4, dp_replicate=2, ep=2, zero=3)])
+def test_planner_memory_estimate_of_four_rank_expert_parallel_runs(parallel, group4, tiny_cfg):
+    """ep 4, and HSDP 2x2 with ep 2 (the experts split by ep inside each group, replicated over
+    the groups): priced as the runs hold them, within the routing bound."""
+    check_memory_estimate(moe_cfg(tiny_cfg, **parallel), group4)

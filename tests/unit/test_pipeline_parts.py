@@ -17,6 +17,7 @@ from raymp.parallel.pipeline import (
     balance_stages,
     bubble_stats,
     local_stages,
+    mark_weight_views,
     stage_costs,
     stage_to_pp_rank,
     theoretical_bubble,
@@ -99,6 +100,23 @@ def test_activation_meter_counts_saved_activations_not_weights():
     assert meter.live == 0
     meter.reset_peak()
     assert meter.peak == 0
+
+
+def test_activation_meter_skips_plain_views_of_parameter_storage_it_is_told_of():
+    """Expert parallelism hands its grouped GEMM the local pieces of DTensor parameters as plain
+    tensors (to_local()): what autograd saves of them is parameter memory. Unmarked, the same
+    views count as activations."""
+    weight = torch.randn(512, 512)  # stands for a DTensor parameter's local tensor
+    x = torch.randn(4, 512, requires_grad=True)
+    for marked in (False, True):
+        view = weight.view(512, 512)
+        if marked:
+            mark_weight_views([view])
+        meter = ActivationMeter()
+        with meter.hooks():
+            out = (x @ view.t()).sum()
+        assert meter.live == (0 if marked else 512 * 512 * 4)  # what x's gradient needs: the weight
+        out.backward()
 
 
 def test_a_step_abandoned_ends_at_the_next_activation_in_forward_or_backward():
