@@ -386,12 +386,12 @@ def _peer_copy(probe, root):
     return _node_loss_after_a_whole_peer_copy(probe, root, 2, {"dp": 2, "zero": 3}, rank=1)
 
 
-def _node_loss_after_a_whole_peer_copy(probe, root, cpus: int, parallel: dict, rank: int) -> dict:
+def _node_loss_after_a_whole_peer_copy(probe, root, cpus: int, parallel: dict, rank: int, **sections) -> dict:
     """No checkpoint on storage before the end; a peer copy every 2 steps. The node of `rank` is
     lost once the copy of step 2 is whole on both its nodes (an event, not a clock)."""
     probe.reset(2, cpus)
     run = Run(cfg_for(root, probe.cache, parallel=parallel, checkpoint={"every": 100},
-                      elastic={"peer_copy_every": 2}))
+                      elastic={"peer_copy_every": 2}, **sections))
     run.after_steps(3)
     copies = run.trainer.session.launcher.peer_copies
 
@@ -418,6 +418,14 @@ def mlflow_record(uri: str, run_id: str) -> dict:
             "loss_steps": sorted(m.step for m in client.get_metric_history(run_id, "fit/loss")),
             "elastic_dp": [m.value for m in client.get_metric_history(run_id, "restart/dp")],
             "events": sorted(a.path for a in client.list_artifacts(run_id, "events"))}
+
+
+@scenario("node loss, MoE dp2 x ep2 -> dp1 x ep1 from the peer copies, experts resharded")
+def _peer_copy_expert_parallel(probe, root):
+    """One rank per 2-CPU node: half of the experts lived only on the lost node and in its peer
+    copy on the other; the dp=1 restart (ep re-planned to 1) gathers every expert from the copies."""
+    return _node_loss_after_a_whole_peer_copy(probe, root, 2, {"dp": 2, "ep": 2, "micro_batch_size": 1}, rank=1,
+                                              model=MOE_MODEL)
 
 
 @scenario("node loss of the node holding every rank, dp2 restarts from the peer copy on another node")

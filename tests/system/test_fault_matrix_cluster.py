@@ -170,6 +170,18 @@ def test_node_loss_restores_the_peer_copy_from_the_other_node(results, refs):
     assert restart_layouts(r) == [("failure", 2, 1)]
 
 
+def test_an_expert_parallel_restart_reshards_the_experts_from_the_peer_copies(results, refs):
+    """dp 2 x ep 2 over two nodes: the lost node's experts are only in its peer copy on the other
+    node. The restart at dp 1 re-plans ep to 1 and loads every expert from the copies, resharded
+    from ep 2: no checkpoint read from storage, every step like one process."""
+    r = finished(results, "node loss, MoE dp2 x ep2 -> dp1 x ep1 from the peer copies, experts resharded",
+                 refs(model=MOE_MODEL, parallel={"micro_batch_size": 1}))
+    (event,) = r["restarts"]
+    assert event["checkpoint"] == "peer memory" and event["resumed_step"] >= r["copy"]["step"]
+    assert [(e["layout_before"]["ep"], e["layout_after"]["ep"]) for e in r["restarts"]] == [(2, 1)]
+    assert restart_layouts(r) == [("failure", 2, 1)]
+
+
 def test_a_group_on_one_node_keeps_its_peer_copy_on_another(results, refs):
     r = finished(
         results,
