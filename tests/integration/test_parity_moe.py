@@ -227,8 +227,10 @@ def test_planner_memory_estimate_matches_moe_runs(parallel, group2, tiny_cfg):
     check_memory_estimate(moe_cfg(tiny_cfg, **parallel), group2)
 
 
-@pytest.mark.parametrize("parallel", [dict(dp=4, ep=4, zero=3), dict(dp=4, dp_replicate=2, ep=2, zero=3)])
+@pytest.mark.parametrize("parallel", [dict(dp=4, ep=4, zero=3), dict(dp=4, ep=2, zero=1),
+                                      dict(dp=4, dp_replicate=2, ep=2, zero=3)])
 def test_planner_memory_estimate_of_four_rank_expert_parallel_runs(parallel, group4, tiny_cfg):
-    """ep 4, and HSDP 2x2 with ep 2 (the experts split by ep inside each group, replicated over
-    the groups): priced as the runs hold them, within the routing bound."""
+    """ep 4; ZeRO-1 with ep 2, whose experts' optimizer state is not sharded over the two ranks
+    holding the same experts (ExpertsApartOptimizer); and HSDP 2x2 with ep 2 (the experts split
+    by ep inside each group, replicated over the groups): priced as the runs hold them."""
     check_memory_estimate(moe_cfg(tiny_cfg, **parallel), group4)
