@@ -112,6 +112,12 @@ class RankEstimate:
         return self.params_bytes + self.grads_bytes + self.optimizer_bytes
 
     @property
+    def measured_part_bytes(self) -> float:
+        """Model state + saved activations, without transient buffers: the part a rank's step
+        measures (RankReport.measured_bytes)."""
+        return self.model_state_bytes + self.activation_bytes
+
+    @property
     def total_bytes(self) -> float:
         return self.model_state_bytes + self.activation_bytes + self.buffer_bytes
 

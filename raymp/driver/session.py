@@ -79,7 +79,7 @@ class Session:
         flops = step_flops(
             model_args(cfg.model, self.launcher.feed.data.vocab_size), t.global_batch_size, t.seq_len
         )
-        estimate = max(e.model_state_bytes + e.activation_bytes for e in self.memory_estimate)
+        estimate = max(e.measured_part_bytes for e in self.memory_estimate)
         return flops, peak_tflops(cfg, self.launcher.device), estimate
 
     def queued(self) -> bool:

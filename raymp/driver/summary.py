@@ -87,7 +87,7 @@ def memory_rows(per_rank: list[dict], estimates: list, layout: Layout) -> list[d
         rows.append({
             **{k: r.get(k, 0) for k in MEMORY_KEYS},
             "measured_bytes": RankReport(**r).measured_bytes,
-            "estimated_bytes": e.model_state_bytes + e.activation_bytes,
+            "estimated_bytes": e.measured_part_bytes,
             "estimated_transient_bytes": e.buffer_bytes,
         })
     return rows
