@@ -53,8 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     planner.add_argument(
         "--compare",
         metavar="dp=8,pp=4,tp=2,zero=2",
-        help="also explain one given layout (fits or not, and why); keys dp, cp, pp, tp, ep, zero, "
-        "mbs, ac, sp, schedule",
+        help="also explain one given layout (fits or not, and why); keys dp, dp_replicate, cp, pp, tp, "
+        "ep, zero, mbs, ac, sp, schedule",
     )
 
     data = sub.add_parser("data", help="prepare a dataset: tokenize and pack text into parquet shards")
@@ -344,7 +344,7 @@ def _plan(args) -> int:
     return 0
 
 
-_COMPARE_INTS = {"dp": 1, "cp": 1, "pp": 1, "tp": 1, "ep": 1, "zero": 0, "mbs": 1}
+_COMPARE_INTS = {"dp": 1, "dp_replicate": 1, "cp": 1, "pp": 1, "tp": 1, "ep": 1, "zero": 0, "mbs": 1}
 _COMPARE_BOOLS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False,
                   "0": False}
 
@@ -382,6 +382,7 @@ def _compared_layout(text: str):
         fields.get("schedule", "1f1b"),
         cp=ints["cp"],
         ep=ints["ep"],
+        dp_replicate=ints["dp_replicate"],
     )
 
 

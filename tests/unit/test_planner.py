@@ -157,6 +157,18 @@ def test_plan_compare_takes_expert_parallelism():
     assert "Compared layout dp=8 (ep=8) pp=1 tp=1 zero=2" in out.stdout, out.stdout
 
 
+def test_plan_compare_takes_hsdp_and_its_rules():
+    """dp_replicate is compared like the other keys, and the HSDP rules judge it (ep inside a group)."""
+    cluster = ("--model", "qwen3-30b-a3b", "--nodes", "2", "--gpus-per-node", "8", "--gpu-memory-gb", "80",
+               "--global-batch", "64", "--seq-len", "4096")
+    out = raymp("plan", *cluster, "--compare", "dp=16,dp_replicate=2,ep=8,zero=3,ac=1")
+    assert out.returncode == 0, out.stderr
+    assert "Compared layout dp=16 (2x8 HSDP) (ep=8)" in out.stdout, out.stdout
+    out = raymp("plan", *cluster, "--compare", "dp=16,dp_replicate=4,ep=8,zero=3")
+    assert out.returncode == 0, out.stderr
+    assert "cannot run: parallel.ep (8) must divide each HSDP group's ranks" in out.stdout, out.stdout
+
+
 def test_plan_of_a_config_explains_its_own_layout_first():
     out = raymp("plan", "configs/tiny-pipeline.yaml")
     assert out.returncode == 0, out.stderr
