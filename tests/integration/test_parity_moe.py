@@ -74,13 +74,13 @@ def test_moe_expert_parallel_matches_single_process(dp, zero, ac, group2, group4
     assert all(m["moe_all_to_all_s"] > 0 for m in history)  # gloo blocks: the host times it
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
-def test_moe_expert_parallel_pipeline_matches_single_process(schedule, group4, tiny_cfg):
+@pytest.mark.parametrize("schedule,zero", [("1f1b", 0), ("zbv", 0), ("1f1b", 1)])
+def test_moe_expert_parallel_pipeline_matches_single_process(schedule, zero, group4, tiny_cfg):
     """ep 2 x pp 2: the two ranks of each stage split its blocks' experts; both run the stage's
     micro-batches in the schedule's order, so their all-to-alls pair up (zero bubble: in the
-    backward of the inputs)."""
-    check_moe_parity(moe_cfg(tiny_cfg, dp=2, ep=2, pp=2, schedule=schedule, micro_batch_size=1), group4,
-                     weight_atol=5e-5)
+    backward of the inputs). Under ZeRO-1 each stage's dense state is sharded beside its experts'."""
+    check_moe_parity(moe_cfg(tiny_cfg, dp=2, ep=2, pp=2, schedule=schedule, zero=zero, micro_batch_size=1),
+                     group4, weight_atol=5e-5)
 
 
 @pytest.mark.parametrize("ep", [1, 2])
