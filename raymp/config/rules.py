@@ -147,9 +147,6 @@ def compile_unsupported(cfg) -> str | None:
     """Why the blocks of this config cannot be compiled (train.compile=true is refused with it;
     unset, compilation is left off), or None."""
     p, m = cfg.parallel, cfg.model
-    if m.moe is not None:
-        return ("train.compile with model.moe is not supported (routing makes data-dependent shapes, not "
-                "verified against eager); set train.compile=false")
     if p.sequence_parallel:
         return ("train.compile with parallel.sequence_parallel is not supported: under torch 2.13 a compiled "
                 "attention or MLP fed by a sequence-parallel norm gets a wrong input gradient (measured: "

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from raymp.models.moe import MoEFeedForward
 from raymp.torch_compat import set_compile_threads, unwrapped
 
 
@@ -19,21 +20,26 @@ def apply_compile(model: nn.Module, block_names: list[str], tensor_parallel: boo
     fails in the backward of a whole tensor-parallel block (an eager DTensor redistribution is
     handed a plain tensor), and a compiled norm fed by the embedding's to_local gives a wrong
     embedding gradient (0.03 off, measured in two gloo processes); attention and MLP compiled
-    alone give eager's gradients. A module without the stageable shape's blocks (a
-    model.factory module, refused with tp > 1 by the config rules) is compiled whole."""
+    alone give eager's gradients. In a mixture-of-experts block every part but the routed
+    feed-forward is compiled: its token counts per expert change every step (data-dependent
+    shapes, and under expert parallelism all-to-alls of those counts), so it stays eager. A module
+    without the stageable shape's blocks (a model.factory module, refused with tp > 1 by the
+    config rules) is compiled whole."""
     # As many compile workers as the actor has threads: inductor's default pool starts a
     # subprocess per core of the machine, which on an actor that owns a core or two only
     # competes with training (its start-up costs more than it saves for raymp's few, alike blocks).
     set_compile_threads(max(1, torch.get_num_threads()))
     for name in block_names:
         block = model.get_submodule(name)
-        if not tensor_parallel:
+        inner = unwrapped(block)  # under activation checkpointing
+        routed = any(isinstance(child, MoEFeedForward) for child in inner.children())
+        if not tensor_parallel and not routed:
             block.compile()
             continue
-        inner = unwrapped(block)  # under activation checkpointing
         for child in inner.children():
-            if _has_sharded_parameters(child):
-                child.compile()
+            if isinstance(child, MoEFeedForward) or (tensor_parallel and not _has_sharded_parameters(child)):
+                continue
+            child.compile()
     if not block_names:
         model.compile()
 

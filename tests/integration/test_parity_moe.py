@@ -100,6 +100,16 @@ def test_moe_eight_actor_hsdp_expert_parallel_layout_matches(group8, tiny_cfg):
     assert all(m["moe_all_to_all_s"] > 0 for m in history)
 
 
+@pytest.mark.parametrize("parallel", [dict(dp=2, ep=2, zero=3), dict(dp=1, pp=2, schedule="1f1b")])
+def test_compiled_moe_blocks_match_eager_single_process(parallel, group2, tiny_cfg):
+    """train.compile with MoE: each block's attention and norms (and a dense block whole) compiled,
+    the routed feed-forward eager; the losses, weights and every step's routing as eager's.
+    2e-4 on the weights, as for compiled dense blocks (tests/integration/test_compile.py)."""
+    cfg = moe_cfg(tiny_cfg, micro_batch_size=1, **parallel)
+    cfg["train"]["compile"] = True
+    check_moe_parity(cfg, group2, weight_atol=2e-4)
+
+
 def test_moe_eight_actor_layout_matches(group8, tiny_cfg):
     """dp 2 x pp 4, a stage per layer (the first one dense), ZeRO-1."""
     check_moe_parity(moe_cfg(tiny_cfg, dp=2, pp=4, zero=1, micro_batch_size=1), group8)
