@@ -1,11 +1,12 @@
 """train.compile: each transformer block compiled in place (TP -> AC -> compile -> FSDP) trains
-as the eager single-process reference does, under dp2 ZeRO-3, pp2, tp2 and cp2."""
+as the eager single-process reference does, under dp2 ZeRO-3, pp2, tp2 and cp2, and for Hugging
+Face Llama (tp2) and Mixtral (dp2 ZeRO-3). The built-in MoE blocks: tests/integration/test_parity_moe.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from helpers.hf_cases import LLAMA, hf_run
+from helpers.hf_cases import LLAMA, MOE_FAMILIES, WEIGHT_ATOL, hf_run
 from helpers.parity import check_parity
 
 # Inductor fuses the blocks' element-wise ops into other kernels (another summation order): losses
@@ -42,3 +43,11 @@ def test_compiled_hugging_face_llama_under_tp2_matches_eager(group2, tiny_cfg):
     cfg = hf_run(tiny_cfg, {"hf_config": LLAMA}, {"dp": 1, "tp": 2, "micro_batch_size": 2})
     cfg["train"]["compile"] = True
     check_parity(cfg, group2, weight_atol=2e-4)
+
+
+def test_compiled_hugging_face_mixtral_matches_eager(group2, tiny_cfg):
+    """transformers' Mixtral decoder layers handed to torch.compile whole, the sparse MoE block and
+    its data-dependent token counts per expert included: dp2 ZeRO-3 trains as eager one process."""
+    cfg = hf_run(tiny_cfg, {"hf_config": MOE_FAMILIES["mixtral"]}, {"dp": 2, "zero": 3, "micro_batch_size": 2})
+    cfg["train"]["compile"] = True
+    check_parity(cfg, group2, weight_atol=WEIGHT_ATOL)
