@@ -226,11 +226,19 @@ class Trainer:
         if saves:  # a step recorded for a lost rank has its peer's times: not a measurement of it
             self.stragglers.after_step([r.own_s for r in reports], self.config.parallel.layout, metrics,
                                        self._where, launch=len(self.restarts))
+            if "straggler_rank" in metrics and self.config.elastic.replace_stragglers:
+                self._replace_straggler(metrics["straggler_rank"])
         if saves and self.session.after_step(reports, self.global_step, metrics,
                                              self.elastic.grows_at_checkpoint):
             self.elastic.grow()  # from the checkpoint just committed
         self.tracking.on_step(metrics)
         return metrics
+
+    def _replace_straggler(self, rank: int) -> None:
+        why_not = self.elastic.replace_straggler(rank)
+        self._warn(f"straggler: rank {rank} is not replaced: {why_not}" if why_not else
+                   f"straggler: replacing rank {rank} (elastic.replace_stragglers): its process is stopped, "
+                   "its peers go on and a new one joins in its place")
 
     def _where(self, rank: int) -> str:
         node = self.session.group.nodes[rank]

@@ -61,6 +61,8 @@ def check_run(cfg) -> None:
             "(each group holds it), elastic.peer_copy_every (the survivors reload the peer copy), "
             "or elastic.keep_survivors=false (restart from the checkpoint)"
         )
+    if cfg.elastic.replace_stragglers:
+        _check_straggler_replacement(cfg)
     if cfg.optimizer.cpu_offload and not p.layout.fsdp:
         raise ValueError(
             "optimizer.cpu_offload needs parallel.zero 2 or 3 (FSDP2's offload policy); "
@@ -157,6 +159,26 @@ def compile_unsupported(cfg) -> str | None:
                 "compiles a factory module whole, and torch miscompiles a tensor-parallel module compiled "
                 "whole; set train.compile=false or parallel.tp=1")
     return None
+
+
+def _check_straggler_replacement(cfg) -> None:
+    """elastic.replace_stragglers replaces a straggler by the survivors' path: it needs a report
+    to act on, a recovery to make, and survivors that keep the state (never a restart from storage
+    for a rank that was only slow)."""
+    e = cfg.elastic
+    if not e.straggler_factor:
+        raise ValueError("elastic.replace_stragglers replaces the stragglers reported, and "
+                         "elastic.straggler_factor=0 reports none; set a factor above 1 (e.g. 2) or "
+                         "elastic.replace_stragglers=false")
+    if not e.enabled or e.max_restarts == 0:
+        raise ValueError("elastic.replace_stragglers recovers from a straggler as from a lost rank, and "
+                         "this run recovers from none (elastic.enabled=false or elastic.max_restarts=0); "
+                         "enable them or set elastic.replace_stragglers=false")
+    if not keeps_survivors(cfg):
+        raise ValueError("elastic.replace_stragglers lets a straggler's peers go on with their state while "
+                         "a new process joins, but this layout's survivors keep none (elastic.keep_survivors "
+                         "is off or the layout has no second whole copy of the state): use parallel.zero=0, "
+                         "HSDP or elastic.peer_copy_every, or set elastic.replace_stragglers=false")
 
 
 def keeps_survivors(cfg) -> bool:

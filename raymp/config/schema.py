@@ -258,6 +258,12 @@ class ElasticConfig(Strict):
         "straggler_steps steps in a row is reported as a straggler (a line, the metric speed/straggler); "
         "0: off; above 1")
     straggler_steps: int = Field(5, ge=1, description="how many steps in a row make a straggler")
+    replace_stragglers: bool = Field(
+        False, description="a reported straggler's process is stopped and recovered from as a lost rank: "
+        "its peers go on with their state and a new process joins in its place, taking the state from "
+        "them (needs the survivors to keep it: elastic.keep_survivors). It starts in the straggler's "
+        "placement, so a slow process is replaced, a slow node is not left; each replacement counts "
+        "against elastic.max_restarts, and none is made once they are used up")
 
     @field_validator("straggler_factor")
     @classmethod

@@ -212,6 +212,10 @@ class Session:
             self.group = None
             raise
 
+    def stop_rank(self, rank: int) -> None:
+        """Stop one rank's process (a straggler replaced): the next step finds it lost."""
+        self.group.kill_ranks([rank])
+
     def has_free_bundles(self) -> bool:
         return self.group is not None and self.group.placement.has_free()
 

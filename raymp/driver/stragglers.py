@@ -4,7 +4,8 @@ the other ranks of its pipeline stage (the ranks that do the same work). A rank 
 elastic.straggler_factor times that for elastic.straggler_steps steps in a row is reported once, in
 one line and in the step's metrics; the largest ratio of every step is a metric (MLflow
 speed/straggler). A layout change (a restart, survivors, a join) starts the count again: the ranks
-are not the same processes. Reported, not replaced."""
+are not the same processes. Reported here; elastic.replace_stragglers has the Trainer ask the
+elastic controller to replace the rank reported (ElasticController.replace_straggler)."""
 
 from __future__ import annotations
 

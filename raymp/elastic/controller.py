@@ -64,6 +64,8 @@ class ElasticRun(Protocol):
 
     def commit_in_flight(self) -> None: ...
 
+    def stop_rank(self, rank: int) -> None: ...
+
 
 # -- the controller ----------------------------------------------------------------------------
 
@@ -101,6 +103,15 @@ class ElasticController:
         event = self._drive(Restoring("nonfinite", dp=self.run.config.parallel.dp), failed_step=step)
         event.update(failed_step=step, message=why)
         return event
+
+    def replace_straggler(self, rank: int) -> str | None:
+        """elastic.replace_stragglers: stop a straggler's process. The next step finds the rank lost
+        and recovers as from any loss (its peers go on with their state, a new process joins in its
+        place from their memory). Returns why it was not replaced (RecoveryPolicy), or None."""
+        if why := self.policy.replacement_refusal(self.failures):
+            return why
+        self.run.stop_rank(rank)
+        return None
 
     def grow(self) -> RestartEvent | None:
         """At a committed checkpoint: back towards the configured dp if the cluster has room."""

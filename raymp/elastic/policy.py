@@ -39,6 +39,16 @@ class RecoveryPolicy:
             return "the actor group was passed in (Trainer(actor_group=...)), so the driver cannot replace it"
         return None
 
+    def replacement_refusal(self, history: list[dict]) -> str | None:
+        """Why a straggler is not replaced now (elastic.replace_stragglers), or None: its
+        replacement is a failure to recover from, within elastic.max_restarts."""
+        if why := self.refusal():
+            return why
+        if len(history) >= self.max_restarts:
+            return (f"the run has recovered from {len(history)} of elastic.max_restarts="
+                    f"{self.max_restarts} failures")
+        return None
+
     def decide(self, state: Recovering, history: list[dict], config, group_alive: bool) -> Action:
         """`history`: every failure of the run so far, this one included."""
         if len(history) > self.max_restarts:

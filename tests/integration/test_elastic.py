@@ -126,3 +126,42 @@ def test_a_rank_slowed_by_its_own_work_is_reported_as_a_straggler(data_cache, tm
     assert history[reported[0][0]]["straggler_rank"] == 1
     assert history[reported[0][0]]["straggler_ratio"] >= 2.0  # elastic.straggler_factor's default
     check_against_reference(history, ref, range(len(history)))
+
+
+@pytest.mark.timeout(300)
+def test_a_straggler_is_replaced_by_a_new_process_and_no_step_is_redone(data_cache, tmp_path):
+    """elastic.replace_stragglers, dp2: rank 1 is slowed 5x, reported after 3 steps in a row and
+    its process stopped; rank 0 goes on alone with its state (the survivors' path), and a new
+    process joins in rank 1's place from rank 0's memory. No checkpoint read, no step redone,
+    every step like one process, and the new rank 1 is no straggler."""
+    from helpers.ckpt_workers import SlowRankWorker
+    from helpers.faults import ROOM_TIMEOUT_S, Reference, check_against_reference, matrix_cfg, wait_until
+
+    cfg = matrix_cfg(tmp_path, data_cache, parallel={"dp": 2, "zero": 0, "micro_batch_size": 1},
+                     elastic={"straggler_steps": 3, "replace_stragglers": True, "keep_survivors": True},
+                     checkpoint={"every": 0})
+    ref = Reference.of(cfg)
+    with Trainer(cfg, progress=False, worker_cls=SlowRankWorker) as trainer:
+        trainer.setup()
+        slow_pid = trainer.group.nodes[1]["pid"]
+        trainer.group.call("arm_slow", 1, 5.0)
+
+        def join_due(name, info):
+            """Once rank 0 went on alone, the next step waits for Ray to free the stopped rank's
+            bundle, so the join comes before the run ends however quick its steps are."""
+            if name == "step" and len(trainer.restarts) == 1:
+                wait_until(lambda: len(trainer.restarts) > 1 or trainer.session.joinable_replicas(),
+                           "the stopped straggler's bundle freed (ROOM_TIMEOUT_S)", ROOM_TIMEOUT_S)
+
+        trainer.on_event = join_due
+        history = trainer.fit()
+        reported, restarts = trainer.stragglers.reported, trainer.restarts
+        pids_after = [n["pid"] for n in trainer.group.nodes]
+    assert [rank for _, rank in reported] == [1]
+    survived, joined = restarts
+    assert survived["recovery"] == "survivors" and survived["failed_step"] == reported[0][0] + 1
+    assert joined["recovery"] == "live join" and joined["checkpoint"] is None
+    assert len(pids_after) == 2 and slow_pid not in pids_after
+    after = [m for m in history if m["step"] > joined["resumed_step"]]
+    assert after and all(m.get("straggler_ratio", 1.0) < 2.0 for m in after)
+    check_against_reference(history, ref, range(len(history)))

@@ -213,6 +213,18 @@ BAD = {
         {"train": {"on_nonfinite": "ignore"}},
         ["train.on_nonfinite", "skip", "restore"],
     ),
+    "straggler replacement without a report": (
+        {"elastic": {"replace_stragglers": True, "straggler_factor": 0}},
+        ["elastic.replace_stragglers", "elastic.straggler_factor=0", "above 1"],
+    ),
+    "straggler replacement without recovery": (
+        {"elastic": {"replace_stragglers": True, "max_restarts": 0}},
+        ["elastic.replace_stragglers", "elastic.max_restarts=0"],
+    ),
+    "straggler replacement without survivors": (
+        {"parallel": {"dp": 2, "zero": 2}, "elastic": {"replace_stragglers": True}},
+        ["elastic.replace_stragglers", "survivors keep", "parallel.zero=0"],
+    ),
     "straggler factor not above 1": (
         {"elastic": {"straggler_factor": 0.5}},
         ["elastic.straggler_factor", "above 1", "0 to turn the report off"],

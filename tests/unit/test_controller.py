@@ -72,6 +72,9 @@ class ScriptedRun:
         self.config = config
         return None, [100 + r for r in ranks]
 
+    def stop_rank(self, rank):
+        self.calls.append(f"stop_rank({rank})")
+
     def joinable_replicas(self):
         return 1
 
@@ -374,3 +377,16 @@ def test_survivors_are_kept_by_default_wherever_the_layout_leaves_them_the_state
     action = RecoveryPolicy(cfg.elastic, group_is_shared=False).decide(state, [{}], cfg, True)
     assert action is (Action.KEEP_SURVIVORS if kept else Action.RESTORE)
 
+
+
+def test_a_straggler_is_replaced_only_while_a_recovery_is_left():
+    """elastic.replace_stragglers: the controller stops the rank (the next step finds it lost), but
+    not once its failure would be past elastic.max_restarts, nor when the run recovers from nothing."""
+    run = ScriptedRun(_config(keep_survivors=True, replace_stragglers=True))
+    controller, _ = _controller(run)
+    assert controller.replace_straggler(1) is None and run.calls == ["stop_rank(1)"]
+    controller.failures += [{}, {}]  # elastic.max_restarts=2 used up
+    assert controller.replace_straggler(1) == "the run has recovered from 2 of elastic.max_restarts=2 failures"
+    shared, _ = _controller(ScriptedRun(_config(keep_survivors=True, replace_stragglers=True)), shared=True)
+    assert "actor group was passed in" in shared.replace_straggler(1)
+    assert run.calls == ["stop_rank(1)"]
