@@ -33,6 +33,8 @@ class ModelShape:
     # the model does not implement context parallelism.
     cp_heads: int | None = None
     experts: bool = False  # mixture-of-experts blocks (model.moe)
+    # A balance loss over each whole sequence's routing (model.moe.aux_loss_coef > 0)
+    sequence_balance_loss: bool = False
     # Routed experts per block that expert parallelism can shard; None: the model has no
     # expert-parallel plan (dense models, Hugging Face MoE families)
     ep_experts: int | None = None
@@ -47,7 +49,8 @@ class ModelShape:
                                    ("model.n_kv_heads", args.n_kv_heads, False),
                                    ("model.ffn_dim", args.ffn_dim, False),
                                    (vocab_name, args.vocab_size, True)), cp_heads=args.n_heads,
-                   experts=args.moe is not None, ep_experts=args.moe.n_experts if args.moe else None)
+                   experts=args.moe is not None, ep_experts=args.moe.n_experts if args.moe else None,
+                   sequence_balance_loss=bool(args.moe and args.moe.aux_loss_coef > 0))
 
 
 def padded_vocab(vocab: int, tp: int) -> int:
@@ -182,9 +185,13 @@ def _context_problems(layout: Layout, shape: ModelShape, seq_len: int):
     cp, tp = layout.cp, layout.tp
     if cp == 1:
         return
-    if shape.experts:
-        yield ("model.moe with parallel.cp > 1 is not supported (the sequence-wise balance loss needs each "
-               "whole sequence's routing); set parallel.cp=1")
+    if shape.sequence_balance_loss:
+        yield ("model.moe.aux_loss_coef > 0 with parallel.cp > 1 is not supported (the sequence-wise balance "
+               "loss needs each whole sequence's routing, and cp splits sequences); set parallel.cp=1, or "
+               "model.moe.aux_loss_coef=0 (the router bias alone balances the experts)")
+        return
+    if layout.ep > 1:
+        yield "parallel.ep with parallel.cp > 1 is not supported; set parallel.ep=1 or parallel.cp=1"
         return
     if shape.cp_heads is None:
         yield (f"parallel.cp is implemented for the built-in model only, not {shape.kind}: set parallel.cp=1 "

@@ -110,6 +110,17 @@ def test_compiled_moe_blocks_match_eager_single_process(parallel, group2, tiny_c
     check_moe_parity(cfg, group2, weight_atol=2e-4)
 
 
+@pytest.mark.parametrize("parallel", [dict(dp=1, cp=2), dict(dp=2, cp=2, zero=3)])
+def test_moe_context_parallel_matches_single_process(parallel, group2, group4, tiny_cfg):
+    """cp with MoE, balanced by the router bias alone (aux_loss_coef 0: the sequence-wise loss needs
+    whole sequences, refused under cp): each rank routes its slice of every sequence, and the
+    tokens per expert, summed over dp x cp, move the bias as one process's do. Weights to 1e-4, as
+    for dense cp (tests/integration/test_parity_cp.py: attention's sums regrouped by head)."""
+    cfg = moe_cfg(tiny_cfg, micro_batch_size=1, **parallel)
+    cfg["model"]["moe"]["aux_loss_coef"] = 0.0
+    check_moe_parity(cfg, group2 if parallel["dp"] == 1 else group4, weight_atol=1e-4)
+
+
 def test_moe_eight_actor_layout_matches(group8, tiny_cfg):
     """dp 2 x pp 4, a stage per layer (the first one dense), ZeRO-1."""
     check_moe_parity(moe_cfg(tiny_cfg, dp=2, pp=4, zero=1, micro_batch_size=1), group8)
@@ -236,6 +247,13 @@ def test_planner_memory_estimate_matches_moe_runs(parallel, group2, tiny_cfg):
     activations without ep (measured here within 0.1%), and within its routing bound under ep
     (check_memory_estimate)."""
     check_memory_estimate(moe_cfg(tiny_cfg, **parallel), group2)
+
+
+def test_planner_memory_estimate_matches_a_context_parallel_moe_run(group2, tiny_cfg):
+    """cp2 (aux_loss_coef 0): each rank's expert activations are those of its slice of the tokens."""
+    cfg = moe_cfg(tiny_cfg, dp=1, cp=2)
+    cfg["model"]["moe"]["aux_loss_coef"] = 0.0
+    check_memory_estimate(cfg, group2)
 
 
 @pytest.mark.parametrize("parallel", [dict(dp=4, ep=4, zero=3), dict(dp=4, ep=2, zero=1),
