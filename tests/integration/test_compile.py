@@ -48,6 +48,7 @@ def test_compiled_hugging_face_llama_under_tp2_matches_eager(group2, tiny_cfg):
 def test_compiled_hugging_face_mixtral_matches_eager(group2, tiny_cfg):
     """transformers' Mixtral decoder layers handed to torch.compile whole, the sparse MoE block and
     its data-dependent token counts per expert included: dp2 ZeRO-3 trains as eager one process."""
-    cfg = hf_run(tiny_cfg, {"hf_config": MOE_FAMILIES["mixtral"]}, {"dp": 2, "zero": 3, "micro_batch_size": 2})
+    cfg = hf_run(tiny_cfg, {"hf_config": MOE_FAMILIES["mixtral"]},
+                 {"dp": 2, "zero": 3, "micro_batch_size": 2})
     cfg["train"]["compile"] = True
     check_parity(cfg, group2, weight_atol=WEIGHT_ATOL)

@@ -65,9 +65,9 @@ def test_moe_expert_parallel_matches_single_process(dp, zero, ac, group2, group4
     the two ranks that hold it. Under ZeRO-1 the dense parameters' optimizer state is sharded
     over dp, the experts' is not (ExpertsApartOptimizer). With activation checkpointing every
     rank recomputes its blocks, all-to-alls included, in the same order in backward. Weights
-    within 5e-5 (measured 2.0e-5 and 2.3e-5; dp 2 without ep: 0.9e-5): an expert's GEMM now sums the tokens of every rank of its group at once, in another
-    order than one process's micro-batch by micro-batch, and lr 1e-2 Adam carries that rounding
-    into a few weights. Losses (within 6e-8) and every step's routing are held as tightly as for
+    within 5e-5 (measured 2.0e-5 and 2.3e-5; dp 2 without ep: 0.9e-5): an expert's GEMM now
+    sums the tokens of every rank of its group at once, in another order than one process's
+    micro-batch by micro-batch, and lr 1e-2 Adam carries that rounding into a few weights. Losses (within 6e-8) and every step's routing are held as tightly as for
     every other layout."""
     cfg = moe_cfg(tiny_cfg, dp=dp, ep=2, zero=zero, micro_batch_size=1, activation_checkpointing=ac)
     history = check_moe_parity(cfg, group2 if dp == 2 else group4, weight_atol=5e-5)

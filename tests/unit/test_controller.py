@@ -386,7 +386,8 @@ def test_a_straggler_is_replaced_only_while_a_recovery_is_left():
     controller, _ = _controller(run)
     assert controller.replace_straggler(1) is None and run.calls == ["stop_rank(1)"]
     controller.failures += [{}, {}]  # elastic.max_restarts=2 used up
-    assert controller.replace_straggler(1) == "the run has recovered from 2 of elastic.max_restarts=2 failures"
+    assert controller.replace_straggler(1) == (
+        "the run has recovered from 2 of elastic.max_restarts=2 failures")
     shared, _ = _controller(ScriptedRun(_config(keep_survivors=True, replace_stragglers=True)), shared=True)
     assert "actor group was passed in" in shared.replace_straggler(1)
     assert run.calls == ["stop_rank(1)"]
