@@ -43,14 +43,21 @@ class ModelShape:
     sizes_in: str = ""  # where the tp_sizes are set, when not in the config's model section
 
     @classmethod
+    def built_in(cls, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int, vocab: tuple,
+                 moe) -> "ModelShape":
+        """The built-in decoder's shape. `vocab`: its (field, size, padded) entries; `moe`: its MoE
+        settings (ModelArgs' or the config's section: both name n_experts and aux_loss_coef), None
+        for a dense model."""
+        return cls(n_layers, (("model.n_heads", n_heads, False), ("model.n_kv_heads", n_kv_heads, False),
+                              ("model.ffn_dim", ffn_dim, False), *vocab), cp_heads=n_heads,
+                   experts=moe is not None, ep_experts=moe.n_experts if moe is not None else None,
+                   sequence_balance_loss=moe is not None and moe.aux_loss_coef > 0)
+
+    @classmethod
     def of_args(cls, args, vocab_name: str = "the vocabulary") -> "ModelShape":
         """The built-in decoder of this ModelArgs shape."""
-        return cls(args.n_layers, (("model.n_heads", args.n_heads, False),
-                                   ("model.n_kv_heads", args.n_kv_heads, False),
-                                   ("model.ffn_dim", args.ffn_dim, False),
-                                   (vocab_name, args.vocab_size, True)), cp_heads=args.n_heads,
-                   experts=args.moe is not None, ep_experts=args.moe.n_experts if args.moe else None,
-                   sequence_balance_loss=bool(args.moe and args.moe.aux_loss_coef > 0))
+        return cls.built_in(args.n_layers, args.n_heads, args.n_kv_heads, args.ffn_dim,
+                            ((vocab_name, args.vocab_size, True),), args.moe)
 
 
 def padded_vocab(vocab: int, tp: int) -> int:

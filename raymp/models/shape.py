@@ -65,12 +65,8 @@ def model_shape(model_cfg, vocab_size: int | None, tokenizer: str | None = None)
             kind="model.factory's module",
             layers_field="the layer count of model.factory's module",
         )
-    return ModelShape(model_cfg.n_layers, (("model.n_heads", model_cfg.n_heads, False),
-                                           ("model.n_kv_heads", model_cfg.n_kv_heads, False),
-                                           ("model.ffn_dim", model_cfg.ffn_dim, False), *vocab_entry),
-                      cp_heads=model_cfg.n_heads, experts=model_cfg.moe is not None,
-                      ep_experts=model_cfg.moe.n_experts if model_cfg.moe is not None else None,
-                      sequence_balance_loss=model_cfg.moe is not None and model_cfg.moe.aux_loss_coef > 0)
+    return ModelShape.built_in(model_cfg.n_layers, model_cfg.n_heads, model_cfg.n_kv_heads, model_cfg.ffn_dim,
+                               vocab_entry, model_cfg.moe)
 
 
 def probed_shape(model: dict) -> dict:
