@@ -63,6 +63,8 @@ def check_run(cfg) -> None:
         )
     if cfg.elastic.replace_stragglers:
         _check_straggler_replacement(cfg)
+    if cfg.elastic.spares:
+        _check_spares(cfg)
     if cfg.optimizer.cpu_offload and not p.layout.fsdp:
         raise ValueError(
             "optimizer.cpu_offload needs parallel.zero 2 or 3 (FSDP2's offload policy); "
@@ -179,6 +181,23 @@ def _check_straggler_replacement(cfg) -> None:
                          "a new process joins, but this layout's survivors keep none (elastic.keep_survivors "
                          "is off or the layout has no second whole copy of the state): use parallel.zero=0, "
                          "HSDP or elastic.peer_copy_every, or set elastic.replace_stragglers=false")
+
+
+def _check_spares(cfg) -> None:
+    """A spare joins as the live join does: whole copies of the state, from survivors that kept it."""
+    e, lay = cfg.elastic, cfg.parallel.layout
+    if not e.enabled or e.max_restarts == 0 or not e.grow_back:
+        raise ValueError("elastic.spares take lost ranks' places when a run recovers and grows back, and "
+                         "this run does neither (elastic.enabled, elastic.max_restarts or elastic.grow_back is "
+                         "off); turn them on or set elastic.spares=0")
+    if not keeps_survivors(cfg):
+        raise ValueError("elastic.spares join from the survivors' state in memory, but this layout's "
+                         "survivors keep none (elastic.keep_survivors is off or the layout has no second whole copy of "
+                         "the state): use parallel.zero=0 or HSDP, or set elastic.spares=0")
+    if e.spares % lay.ranks_per_copy:
+        raise ValueError(f"elastic.spares ({e.spares}) must be whole copies of the state, and one copy spans "
+                         f"{lay.ranks_per_copy} ranks in this layout; set elastic.spares to a multiple of "
+                         f"{lay.ranks_per_copy}")
 
 
 def keeps_survivors(cfg) -> bool:

@@ -252,6 +252,12 @@ class ElasticConfig(Strict):
         10, gt=0, description="keep_survivors: once one survivor has ended its failed step, how long "
         "the others get; one still waiting then (gloo does not always wake a rank whose peer is gone) "
         "is let go and the run goes on without it")
+    spares: int = Field(
+        0, ge=0, description="warm spare ranks: actors started beside the run's (torch and the model code "
+        "imported, each group in a placement group of its own) that take lost ranks' places after the "
+        "survivors went on, their state from live peers, so the run is back at its layout before its next "
+        "step; a used spare is started anew where the cluster has room. Whole copies of the state: a "
+        "multiple of the ranks one copy spans; needs elastic.keep_survivors and elastic.grow_back")
     straggler_factor: float = Field(
         2.0, ge=0, description="a rank whose own time per step (its training thread on a CPU or waiting "
         "for one, not blocked in collectives) is this many times its stage peers' median for "
@@ -262,7 +268,8 @@ class ElasticConfig(Strict):
         False, description="a reported straggler's process is stopped and recovered from as a lost rank: "
         "its peers go on with their state and a new process joins in its place, taking the state from "
         "them (needs the survivors to keep it: elastic.keep_survivors). It starts in the straggler's "
-        "placement, so a slow process is replaced, a slow node is not left; each replacement counts "
+        "placement (a warm spare's, with elastic.spares), so a slow process is replaced, a slow node is not "
+        "surely left; each replacement counts "
         "against elastic.max_restarts, and none is made once they are used up")
 
     @field_validator("straggler_factor")

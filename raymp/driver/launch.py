@@ -77,6 +77,9 @@ class Launcher:
             if self.shared_group.world_size != lay.world_size:
                 raise ValueError(f"the actor group given has {self.shared_group.world_size} actors but the "
                                  f"layout needs dp*cp*pp*tp = {lay.world_size}")
+            if cfg.elastic.spares:
+                raise ValueError("elastic.spares starts spare actors beside the run's own group, and this "
+                                 "run was given a group to share; set elastic.spares=0 or give no group")
             self.shared_group.check_tp_groups_share_nodes(lay.tp)
             return self.shared_group
         return ActorGroup(
@@ -88,6 +91,7 @@ class Launcher:
             tp_size=lay.tp,
             rendezvous_timeout_s=r.rendezvous_timeout_s,
             on_event=self.on_event,
+            spares=cfg.elastic.spares,
             **({"worker_cls": self.worker_cls} if self.worker_cls else {}),
         )
 

@@ -217,7 +217,8 @@ class Session:
         self.group.kill_ranks([rank])
 
     def has_free_bundles(self) -> bool:
-        return self.group is not None and self.group.placement.has_free()
+        """Free bundles or warm spares, where ranks could join (cheap: no call to Ray)."""
+        return self.group is not None and self.group.has_room()
 
     def joinable_replicas(self) -> int:
         """Whole copies of the state that could start now in the group's free bundles."""

@@ -9,7 +9,8 @@
     any recovery state --a fault while in it--> Recovering(the new failure)
     Running --non-finite step, train.on_nonfinite=restore--> Restoring (rewind, same dp) --> Running
     Running --checkpoint committed, room to grow--> Resizing(dp) --relaunched--> Running
-    Running --a lost node's bundles placed again--> Joining(replicas) --joined from live peers--> Running
+    Running --a lost node's bundles placed again, or warm spares ready--> Joining(replicas)
+        --joined from live peers--> Running
 
 `RecoveryPolicy.decide` sees the failure (what was lost, how, and in which state) and the run's
 failures so far, and returns what to do; `ScalingPolicy` decides the dp to go on with and when
@@ -130,7 +131,8 @@ class ElasticController:
         came back, or room was made) join and take their state from live peers, not storage.
         `now`: no step is queued on the ranks. True when replicas wait to join but must not yet
         (the caller then queues no step ahead, and joins before the next)."""
-        if self.policy.refusal() or not self.run.has_free_bundles():
+        if self.policy.refusal() or not self.scaling.may_join(self.run.config) or \
+                not self.run.has_free_bundles():
             return False
         n = self.scaling.replicas_to_join(self.run.config, self.run.joinable_replicas())
         if n is None or not now:

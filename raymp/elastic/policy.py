@@ -129,6 +129,10 @@ class ScalingPolicy:
         dp, waited, _ = wait_for_replicas(cfg, self.target_dp, self.device, self.reserve_node, log)
         return dp, waited
 
+    def may_join(self, cfg) -> bool:
+        """Cheap: whether the run holds fewer copies of the state than configured and may grow back."""
+        return self.grow_back and cfg.parallel.layout.state_replicas < self.target_replicas
+
     def replicas_to_join(self, cfg, free_replicas: int) -> int | None:
         """More whole copies of the state than now, up to the configured count, that the free
         bundles hold and the global batch splits into; None if none."""

@@ -15,6 +15,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raymp.config import ResourcesConfig
 from raymp.runtime.peer_loss import is_peer_loss
 from raymp.runtime.placement import Placement, PlacementError
+from raymp.runtime.spares import WarmSpares
 from raymp.runtime.worker import Worker
 
 
@@ -44,14 +45,16 @@ class ActorGroup:
                  collective_timeout_s: float = _DEFAULT["collective_timeout_s"].default,
                  worker_cls: type = Worker, tp_size: int = 1,
                  rendezvous_timeout_s: float = _DEFAULT["rendezvous_timeout_s"].default,
-                 on_event=None):
+                 on_event=None, spares: int = 0):
         """`on_event(name, info)`, if given, is called once the placement groups are ready
         ("placed", with the node of every rank's bundle), before any actor starts: tests use it
-        to lose a node at that exact moment."""
+        to lose a node at that exact moment. `spares`: warm spare ranks (elastic.spares), started
+        once the group has formed."""
         if world_size % tp_size:
             raise ValueError(f"world size {world_size} is not a multiple of the TP size {tp_size}")
         self.world_size, self.device, self.tp_size, self.cpus = world_size, device, tp_size, cpus_per_actor
         self.workers, self.backend = [], "nccl" if device == "cuda" else "gloo"
+        self.spares: WarmSpares | None = None
         self.placement = Placement(
             {"CPU": cpus_per_actor, **({"GPU": 1} if device == "cuda" else {})}, tp_size
         )
@@ -65,6 +68,8 @@ class ActorGroup:
             self.workers = [self._start_worker(slot) for slot in self.placement.slots]
             self._join(["init_distributed"] * world_size, collective_timeout_s, rendezvous_timeout_s,
                        self._check_placement)
+            if spares:
+                self.spares = WarmSpares(spares, tp_size, self.placement.bundle, self._start_worker)
         except BaseException:
             self.shutdown()  # a half-built group never outlives its failure: its resources go back
             raise
@@ -158,31 +163,47 @@ class ActorGroup:
         self.placement.keep(list(range(before)))
         self.world_size = before
 
+    def has_room(self) -> bool:
+        """Cheap (no call to Ray): a free bundle or a warm spare may let ranks join."""
+        return self.placement.has_free() or bool(self.spares and self.spares.groups)
+
     def joinable(self) -> int:
-        """How many ranks grow() can start now (free bundles on live nodes)."""
-        return len(self.placement.free()) if self.placement.has_free() else 0
+        """How many ranks grow() can start now: ready warm spares, and free bundles on live nodes."""
+        free = len(self.placement.free()) if self.placement.has_free() else 0
+        return free + (self.spares.ready() if self.spares else 0)
 
     def grow(self, count: int, collective_timeout_s: float, rendezvous_timeout_s: float) -> None:
-        """`count` new ranks after the current ones, started in free bundles; all join one new
-        process group, the current ranks keeping their processes and memory (rejoin)."""
-        slots = self.placement.free()[:count]
-        if len(slots) < count:
-            raise PlacementError(f"{count} ranks cannot join: {len(slots)} free bundles are placed")
-        self.placement.slots += slots
-        self.workers += [self._start_worker(slot) for slot in slots]
+        """`count` new ranks after the current ones: warm spares first, then new actors in free
+        bundles; all join one new process group, the current ranks keeping their processes and
+        memory (rejoin). The spares used are replaced (started anew where the cluster has room)."""
+        free, ready = self.placement.free(), self.spares.ready() if self.spares else 0
+        if ready + len(free) < count:
+            raise PlacementError(f"{count} ranks cannot join: {ready} warm spares are ready and "
+                                 f"{len(free)} free bundles are placed")
+        warm = self.spares.take(count) if ready else []
+        slots = free[:count - len(warm)]
+        self.placement.adopt([slot[0] for slot, _ in warm])
+        new = [slot for slot, _ in warm] + slots
+        self.placement.slots += new
+        self.workers += [actor for _, actor in warm] + [self._start_worker(slot) for slot in slots]
         old, self.world_size = self.world_size, len(self.workers)
-        self._join(
-            ["rejoin"] * old + ["init_distributed"] * count,
-            collective_timeout_s,
-            rendezvous_timeout_s,
-            self._check_placement,
-        )
+        try:
+            self._join(
+                ["rejoin"] * old + ["init_distributed"] * count,
+                collective_timeout_s,
+                rendezvous_timeout_s,
+                lambda: self._check_placement({slot[0].id for slot in new}),
+            )
+        finally:
+            if self.spares:
+                self.spares.refill()
 
-    def _check_placement(self) -> None:
-        """Raise at once if a node holding one of our bundles was lost while the group starts: an
-        actor not yet started there would wait for Ray to re-place its bundle, and the peers that
-        did start would wait for it in the rendezvous until the timeout."""
-        if self.placement.rescheduling():
+    def _check_placement(self, pg_ids: set | None = None) -> None:
+        """Raise at once if a node holding one of our bundles (those of `pg_ids` only, if given:
+        the new ranks' while some join) was lost while the group starts: an actor not yet started
+        there would wait for Ray to re-place its bundle, and the peers that did start would wait
+        for it in the rendezvous until the timeout."""
+        if self.placement.rescheduling(pg_ids):
             raise WorkerLostError("a node holding part of the new actor group was lost while it "
                                   "started (its placement group is being re-placed)", None, "died")
 
@@ -253,6 +274,8 @@ class ActorGroup:
                 ray.kill(w)
             except Exception:  # already gone with its node
                 pass
+        if self.spares:
+            self.spares.shutdown()
         self.placement.release()
         self.workers = []
 

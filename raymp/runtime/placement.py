@@ -63,9 +63,15 @@ class Placement:
         pg, index = self.slots[rank]
         return placement_group_table(pg).get("bundles_to_node_id", {}).get(index)
 
-    def rescheduling(self) -> bool:
-        """Whether a node holding one of the bundles was lost (Ray is re-placing them)."""
-        return any(placement_group_table(pg).get("state") == "RESCHEDULING" for pg in self.pgs)
+    def rescheduling(self, pg_ids: set | None = None) -> bool:
+        """Whether a node holding one of the bundles (of the placement groups `pg_ids`, if given)
+        was lost (Ray is re-placing them)."""
+        return any(placement_group_table(pg).get("state") == "RESCHEDULING"
+                   for pg in self.pgs if pg_ids is None or pg.id in pg_ids)
+
+    def adopt(self, pgs: list) -> None:
+        """Placement groups made elsewhere (warm spares') are this placement's from now on."""
+        self.pgs += [pg for pg in dict.fromkeys(pgs) if pg not in self.pgs]
 
     def keep(self, ranks: list[int]) -> None:
         """Only these ranks' actors go on, in this order; the others' bundles become free."""

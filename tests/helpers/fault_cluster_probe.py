@@ -184,6 +184,10 @@ def node_loss(probe, root, zero=0, dp=2, nodes=2, cpus=2, after=3, rank=1, commi
     wait_until(lambda: hold.with_name(f"held-{after}-{rank}").exists() or not run.thread.is_alive(),
                f"rank {rank} inside step {after}")
     pids = [n["pid"] for n in run.trainer.group.nodes]
+    spares = run.trainer.group.spares  # elastic.spares: started before the loss
+    if spares:
+        wait_until(lambda: spares.ready() == spares.count, "the warm spares started")
+    spare_pids = spares.pids() if spares else []
     lost_at = time.time()
     probe.remove(run.node_of_rank(rank))
     result = run.finish()
@@ -193,6 +197,7 @@ def node_loss(probe, root, zero=0, dp=2, nodes=2, cpus=2, after=3, rank=1, commi
         **result,
         "lost_to_next_step_s": after_loss[0] - lost_at if after_loss else None,
         "pids_before": pids,
+        "spare_pids": spare_pids,
     }
 
 
@@ -377,6 +382,15 @@ def _replacement(probe, root):
     """Three nodes for two ranks: Ray re-places the lost rank's bundle on the spare node at once,
     and the missing replica starts there (from the survivor's memory) before a next step."""
     return node_loss(probe, root, nodes=3, parallel={"micro_batch_size": 1}, elastic={"keep_survivors": True})
+
+
+@scenario("node loss with a warm spare on a third node, the spare joins from a live peer, dp2")
+def _warm_spare(probe, root):
+    """Three nodes: two ranks and a spare (elastic.spares=1). The lost rank's bundle has no room
+    to be re-placed (its placement group waits, RESCHEDULING); the spare, in a placement group of
+    its own, joins from the survivor's memory before the next step."""
+    return node_loss(probe, root, nodes=3, parallel={"micro_batch_size": 1},
+                     elastic={"keep_survivors": True, "spares": 1})
 
 
 @scenario("node loss, ZeRO-3 dp2 -> dp1 from the peer copy on the other node, nothing on storage")

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers.faults import MOE_MODEL, STEPS, Reference, check_against_reference, kill_rank_after, matrix_cfg
+from helpers.faults import (MOE_MODEL, ROOM_TIMEOUT_S, STEPS, Reference, check_against_reference,
+                           kill_rank_after, matrix_cfg, wait_until)
 from raymp import Trainer
 from raymp.config import ConfigError, config_from_dict
 from raymp.config.rules import keeps_survivors
@@ -134,6 +135,31 @@ def test_lost_replicas_join_back_from_live_peers(parallel, lost, ref, data_cache
     kept = len(joined["pids"])
     assert pids_after[:kept] == joined["pids"] and set(joined["pids"]) <= set(pids) - lost_copy
     assert not set(pids_after[kept:]) & set(pids)
+    check_against_reference(history, ref, range(STEPS))
+
+
+@pytest.mark.timeout(300)
+def test_a_warm_spare_takes_the_lost_ranks_place_with_dp_unchanged(ref, data_cache, tmp_path):
+    """elastic.spares=1, dp2: a spare process is started beside the two ranks. Rank 1 is killed;
+    rank 0 goes on alone, and before its next step the spare (the same process, started before
+    the loss) joins as rank 1 with rank 0's state: dp 2 again, no checkpoint read, no step
+    redone, every step like one process; a new spare is started in its place."""
+    cfg = matrix_cfg(tmp_path, data_cache, parallel={"zero": 0, "micro_batch_size": 1},
+                     elastic={"keep_survivors": True, "spares": 1})
+    with Trainer(cfg, progress=False) as trainer:
+        trainer.setup()
+        spares = trainer.group.spares
+        wait_until(lambda: spares.ready() == 1, "the spare started (ROOM_TIMEOUT_S)", ROOM_TIMEOUT_S)
+        (spare_pid,), rank0_pid = spares.pids(), trainer.group.nodes[0]["pid"]
+        kill_rank_after(trainer, 3, rank=1)
+        history = trainer.fit()
+        survived, joined = trainer.restarts
+        pids_after, dp_after = [n["pid"] for n in trainer.group.nodes], trainer.config.parallel.dp
+        spares_after = len(spares.groups)
+    assert survived["recovery"] == "survivors" and joined["recovery"] == "live join"
+    assert joined["checkpoint"] is None and joined["resumed_step"] == survived["resumed_step"]
+    assert pids_after == [rank0_pid, spare_pid] and dp_after == 2
+    assert spares_after == 1  # started anew
     check_against_reference(history, ref, range(STEPS))
 
 

@@ -155,6 +155,20 @@ def test_a_replacement_on_a_spare_node_joins_from_a_live_peer(results, refs):
     assert r["pids_after"][0] in r["pids_before"] and r["pids_after"][1] not in r["pids_before"]
 
 
+def test_a_warm_spare_takes_the_lost_nodes_rank_with_dp_unchanged(results, refs):
+    """elastic.spares=1: the process started as a spare before the loss is the new rank 1, its
+    state from the survivor's memory; no checkpoint read, no step redone, dp 2 again."""
+    r = finished(results,
+                 "node loss with a warm spare on a third node, the spare joins from a live peer, dp2",
+                 refs(parallel={"micro_batch_size": 1}))
+    survived, joined = r["restarts"]
+    assert (survived["recovery"], joined["recovery"]) == ("survivors", "live join")
+    assert survived["checkpoint"] is None and joined["checkpoint"] is None
+    assert survived["resumed_step"] == survived["failed_step"] == joined["resumed_step"]
+    assert restart_layouts(r) == [("failure", 2, 1), ("grow", 1, 2)]
+    assert len(r["spare_pids"]) == 1 and r["pids_after"] == [r["pids_before"][0], r["spare_pids"][0]]
+
+
 def test_node_loss_restores_the_peer_copy_from_the_other_node(results, refs):
     """ZeRO-3 over two nodes: what rank 1 held is only on its node and in the peer copy on rank
     0's node. The restart (dp=1, a new layout) loads that copy: no checkpoint read from storage."""

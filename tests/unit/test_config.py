@@ -225,6 +225,18 @@ BAD = {
         {"parallel": {"dp": 2, "zero": 2}, "elastic": {"replace_stragglers": True}},
         ["elastic.replace_stragglers", "survivors keep", "parallel.zero=0"],
     ),
+    "spares not whole copies of the state": (
+        {"parallel": {"dp": 2, "pp": 2, "zero": 0}, "elastic": {"spares": 1}},
+        ["elastic.spares (1)", "spans 2 ranks", "multiple of 2"],
+    ),
+    "spares without growing back": (
+        {"parallel": {"dp": 2, "zero": 0}, "elastic": {"spares": 1, "grow_back": False}},
+        ["elastic.spares", "elastic.grow_back", "elastic.spares=0"],
+    ),
+    "spares without survivors": (
+        {"parallel": {"dp": 2, "zero": 2}, "elastic": {"spares": 1}},
+        ["elastic.spares", "survivors", "parallel.zero=0"],
+    ),
     "straggler factor not above 1": (
         {"elastic": {"straggler_factor": 0.5}},
         ["elastic.straggler_factor", "above 1", "0 to turn the report off"],

@@ -11,7 +11,7 @@ from raymp.config import config_from_dict
 from raymp.elastic.capacity import ElasticError, with_dp
 from raymp.elastic import states
 from raymp.elastic.controller import ElasticController
-from raymp.elastic.policy import Action, RecoveryPolicy
+from raymp.elastic.policy import Action, RecoveryPolicy, ScalingPolicy
 from raymp.elastic.states import Failed, Recovering, Restoring, Running
 from raymp.runtime.actor_group import WorkerLostError
 
@@ -100,6 +100,9 @@ class ScriptedScaling:
 
     def grow_to(self, cfg):
         return self._grow_to
+
+    def may_join(self, cfg):
+        return self._join is not None
 
     def replicas_to_join(self, cfg, free):
         return self._join
@@ -241,6 +244,16 @@ def test_replicas_join_live_between_steps():
     (event,) = run.events
     assert event["recovery"] == "live join" and event["checkpoint"] is None and run.calls == ["join_live(2)"]
     assert _phases(controller) == ["running", "joining", "running"]
+
+
+def test_a_join_is_looked_for_only_below_the_configured_copies_and_with_grow_back():
+    """ScalingPolicy.may_join: the cheap check before the driver asks Ray for free bundles and
+    ready spares, so a run at its layout pays nothing per step for having spares."""
+    cfg = _config()
+    policy = ScalingPolicy(cfg.parallel.layout, "cpu", None, grow_back=True)
+    assert not policy.may_join(cfg)  # at the configured dp
+    assert policy.may_join(with_dp(cfg, 1)) and policy.replicas_to_join(with_dp(cfg, 1), 1) == 2
+    assert not ScalingPolicy(cfg.parallel.layout, "cpu", None, grow_back=False).may_join(with_dp(cfg, 1))
 
 
 def test_a_rewind_commits_the_save_in_flight_and_relaunches_at_the_same_layout():

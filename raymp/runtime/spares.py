@@ -1,0 +1,95 @@
+"""Warm spares (elastic.spares): Worker actors started ahead of need, each group of them in a
+placement group of its own, that take lost ranks' places when the survivors grow back
+(ActorGroup.grow). A cold join starts a process and imports torch and the model code (seconds);
+a spare has done that while the run trained, so only the process group and the state transfer
+are left.
+
+A spare's placement group is its own, not a bundle of the ranks' group: Ray marks a whole
+placement group RESCHEDULING when one of its nodes is lost, and while the ranks' group waits for
+room, a bundle in it could not be joined. A spare group waits for room the same way (it starts
+when Ray places it); only spares whose actor has answered are taken.
+"""
+
+from __future__ import annotations
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+
+
+class WarmSpares:
+    """`count` spare ranks, in groups of `unit` (a TP group's size: a joining TP group must share
+    a node), started by `start_actor(slot)` in their own placement groups."""
+
+    def __init__(self, count: int, unit: int, bundle: dict, start_actor):
+        if count % unit:
+            raise ValueError(f"{count} spare ranks are not whole groups of {unit} (the TP size)")
+        self.count, self.unit, self.bundle, self._start_actor = count, unit, bundle, start_actor
+        self.groups: list[tuple] = []  # (placement group, [actor], ref answered once all started)
+        self.refill()
+
+    def refill(self) -> None:
+        """Start spares up to the count; their placement groups are placed when the cluster has room."""
+        while len(self.groups) * self.unit < self.count:
+            pg = placement_group([dict(self.bundle) for _ in range(self.unit)],
+                                 strategy="STRICT_PACK" if self.unit > 1 else "PACK")
+            actors = [self._start_actor((pg, i)) for i in range(self.unit)]
+            self.groups.append((pg, actors, [a.node_info.remote() for a in actors]))
+
+    def ready(self) -> int:
+        """Spare ranks that can join now (started, their actors alive); dead ones are let go and
+        new ones started in their place."""
+        alive = []
+        for group in self.groups:
+            try:
+                _started(group)
+                alive.append(group)
+            except ray.exceptions.RayActorError:  # its node was lost
+                _release(group)
+        self.groups = alive
+        self.refill()
+        return sum(len(g[1]) for g in self.groups if _started(g))
+
+    def take(self, ranks: int) -> list[tuple[tuple, object]]:
+        """Up to `ranks` ready spare ranks, whole groups, as (slot, actor); they leave the pool
+        (their placement group is the taker's from now on, placement_groups_taken)."""
+        self.ready()
+        taken, left = [], []
+        for group in self.groups:
+            pg, actors, _ = group
+            if len(taken) + len(actors) <= ranks and _started(group):
+                taken += [((pg, i), actor) for i, actor in enumerate(actors)]
+            else:
+                left.append(group)
+        self.groups = left
+        return taken
+
+    def pids(self) -> list[int]:
+        """The process ids of the ready spares (tests: which process joined)."""
+        return [info["pid"] for g in self.groups if _started(g) for info in ray.get(g[2])]
+
+    def shutdown(self) -> None:
+        for group in self.groups:
+            _release(group)
+        self.groups, self.count = [], 0
+
+
+def _started(group: tuple) -> bool:
+    """Whether every actor of the group has answered (raises RayActorError for a dead one)."""
+    done, pending = ray.wait(group[2], num_returns=len(group[2]), timeout=0)
+    if pending:
+        return False
+    ray.get(done)
+    return True
+
+
+def _release(group: tuple) -> None:
+    pg, actors, _ = group
+    for actor in actors:
+        try:
+            ray.kill(actor)
+        except Exception:  # already gone with its node
+            pass
+    try:
+        remove_placement_group(pg)
+    except Exception:
+        pass
