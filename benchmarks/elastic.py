@@ -23,15 +23,21 @@ KILL_AFTER, EVERY, STEPS = 6, 4, 14
 # one rank per node, so one survives with its state (grow_back off: the row is the recovery alone)
 SURVIVORS = {"keep_survivors": True, "grow_back": False}
 
-RAYMP_MODES = {  # row -> (elastic section, both ranks on one node, a replacement node added at the loss)
-    "raymp restart": ({"keep_survivors": False}, True, True),
+RAYMP_MODES = {  # row -> (elastic section, worker nodes, CPUs per node, a replacement node added at the loss)
+    # both ranks on one 3-CPU node
+    "raymp restart": ({"keep_survivors": False}, 2, 3, True),
     # the same restart, but each rank's part of the state is also kept in the object store on the
     # other node after every step (elastic.peer_copy_every): the restart loads that, not the checkpoint
-    "raymp peer-memory restore": ({"peer_copy_every": 1, "keep_survivors": False}, True, True),
-    "raymp keep_survivors": (SURVIVORS, False, True),
+    "raymp peer-memory restore": ({"peer_copy_every": 1, "keep_survivors": False}, 2, 3, True),
+    # 2-CPU nodes hold one rank each
+    "raymp keep_survivors": (SURVIVORS, 2, 2, True),
     # the same without the replacement node: its raylet and idle workers start on this machine's two
     # cores, beside the survivor's recovery; on a real cluster they boot on another machine
-    "raymp keep_survivors, no replacement node": (SURVIVORS, False, False),
+    "raymp keep_survivors, no replacement node": (SURVIVORS, 2, 2, False),
+    # a third 2-CPU node holds a warm spare (elastic.spares), which joins from the survivor's memory:
+    # the next step runs at dp=2 again
+    "raymp keep_survivors + warm spare, no replacement node": (
+        {"keep_survivors": True, "grow_back": True, "spares": 1}, 3, 2, False),
 }
 
 
@@ -40,7 +46,7 @@ def _raymp_recovery(cluster, root: str, rep: int, row: str) -> dict:
     from raymp.elastic.peer_copies import PEER_MEMORY
     from raymp.trainer import Trainer
 
-    elastic, _, replacement = RAYMP_MODES[row]
+    elastic, _, _, replacement = RAYMP_MODES[row]
     tag = "-".join(row.replace(",", "").split()[1:])
     cfg = run_config(f"elastic-{tag}-{rep}", f"{root}/runs", dp=2, zero=0, steps=STEPS, cpus_per_actor=1.5,
                      checkpoint={"every": EVERY, "dir": f"{root}/raymp-ck-{tag}-{rep}"}, elastic=elastic)
@@ -53,12 +59,12 @@ def _raymp_recovery(cluster, root: str, rep: int, row: str) -> dict:
     victim_id = trainer.group.nodes[0]["node_id"]
     killed = _remove(cluster, victim_id, replacement)
     thread.join()
-    (event,) = trainer.restarts
+    event, last = trainer.restarts[0], trainer.restarts[-1]  # a spare's join is a second event
     after = min(m["finished_at"] for m in trainer.history if m["finished_at"] > killed)
     source = event["checkpoint"]
     read = _size(source) if source not in (None, PEER_MEMORY) else 0
     out = {"to_next_step_s": after - killed, "redone": event["failed_step"] - event["resumed_step"],
-           "resume_s": event["detected_at"] + event["restart_s"] - killed, "read_bytes": read,
+           "resume_s": last["detected_at"] + last["restart_s"] - killed, "read_bytes": read,
            "losses": [m["loss"] for m in trainer.history], "dp_after": trainer.config.parallel.dp,
            "state_from": "survivors' memory" if source is None else
            f"{'peer memory' if source == PEER_MEMORY else 'checkpoint'} of step {event['resumed_step']}"}
@@ -159,8 +165,8 @@ def measure(opts) -> dict:
         cfg = run_config("elastic", f"{root}/runs", dp=2, zero=0, steps=STEPS, cpus_per_actor=1.5)
         batches, vocab = global_batches(cfg)
         for rep in range(opts.reps):
-            for row, (_, one_node, _) in RAYMP_MODES.items():
-                cluster.resize(2, 3 if one_node else 2)  # 2-CPU nodes hold one rank each
+            for row, (_, nodes, cpus, _) in RAYMP_MODES.items():
+                cluster.resize(nodes, cpus)
                 runs[row].append(_raymp_recovery(cluster, root, rep, row))
             cluster.resize(2, 3)
             runs["Ray Train"].append(_ray_train_recovery(cluster, root, rep, cfg, batches, vocab))
@@ -217,7 +223,9 @@ def measure(opts) -> dict:
             "so each rank's part of the state is also in the object store of the other node, and the restart "
             "loads that. raymp keep_survivors: `elastic.keep_survivors` on two 2-CPU nodes, one rank each; "
             "the node of rank 0 is removed and rank 1 goes on alone with its state in memory (grow_back off, "
-            "so the row is the recovery alone); its second row adds no replacement node. Ray Train: "
+            "so the row is the recovery alone); its second row adds no replacement node. raymp keep_survivors + "
+            "warm spare: the same on three 2-CPU nodes, the third holding a spare actor (`elastic.spares: 1`) "
+            "that joins from rank 1's memory, so the next step runs at dp=2; no replacement node. Ray Train: "
             "`FailureConfig(max_failures=1)`, the loop resumes "
             f"from `ray.train.get_checkpoint()` (rank 0 saves a torch state dict). {opts.reps} runs each, "
             "alternating."
@@ -257,7 +265,8 @@ def measure(opts) -> dict:
         "notes": [
             "\"node lost -> next step\" is the time from `remove_node` to the first training step completed "
             "after it; \"resumed\" is when training state was restored (raymp: its restart done; Ray Train: "
-            "the loop's checkpoint load done). keep_survivors' next step runs at dp=1 on one actor.",
+            "the loop's checkpoint load done; with a warm spare: its join done). keep_survivors' next step runs "
+            "at dp=1 on one actor, with a warm spare at dp=2.",
             "The replacement node (3 CPUs) starts on the same two cores as the run: its raylet and the idle "
             "workers Ray starts on it compete with the recovery, which a real cluster's new machine would not. "
             "keep_survivors does not need it (grow_back off), so its second row leaves it out: that row is "
