@@ -188,12 +188,12 @@ def _check_spares(cfg) -> None:
     e, lay = cfg.elastic, cfg.parallel.layout
     if not e.enabled or e.max_restarts == 0 or not e.grow_back:
         raise ValueError("elastic.spares take lost ranks' places when a run recovers and grows back, and "
-                         "this run does neither (elastic.enabled, elastic.max_restarts or elastic.grow_back is "
-                         "off); turn them on or set elastic.spares=0")
+                         "this run does neither (elastic.enabled, elastic.max_restarts or "
+                         "elastic.grow_back is off); turn them on or set elastic.spares=0")
     if not keeps_survivors(cfg):
         raise ValueError("elastic.spares join from the survivors' state in memory, but this layout's "
-                         "survivors keep none (elastic.keep_survivors is off or the layout has no second whole copy of "
-                         "the state): use parallel.zero=0 or HSDP, or set elastic.spares=0")
+                         "survivors keep none (elastic.keep_survivors is off or the layout has no second "
+                         "whole copy of the state): use parallel.zero=0 or HSDP, or set elastic.spares=0")
     if e.spares % lay.ranks_per_copy:
         raise ValueError(f"elastic.spares ({e.spares}) must be whole copies of the state, and one copy spans "
                          f"{lay.ranks_per_copy} ranks in this layout; set elastic.spares to a multiple of "

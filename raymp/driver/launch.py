@@ -115,6 +115,7 @@ class Launcher:
         if self.device == "cpu" and (problem := host_memory_problem([memory[lay.coords(r)["pp"]].total_bytes
                                                                      for r in range(lay.world_size)])):
             raise ConfigError(problem)
+        new_group = group is None
         group = group or self.group_for(cfg)
 
         def set_up():
@@ -145,6 +146,10 @@ class Launcher:
                 position = restored.data_position
             start = feed.checked(position, cfg.train.steps) if position is not None else feed.first_position()
             feed.start_streams(group, lay, cfg, start, wait=False)
+        if new_group and group.spares and (unplaced := group.spares.unplaced()):
+            each = ", ".join(f"{k}={v:g}" for k, v in group.placement.bundle.items())
+            self.warn(f"elastic.spares: {unplaced} of {cfg.elastic.spares} spare ranks have no room on the "
+                      f"cluster yet ({each} each); the run goes on and starts them when room appears")
         feed.send_eval_data(group, lay, cfg)
         feed.wait_streams(group, r.setup_timeout_s, SETUP_KNOB)
         return Launched(group, cfg, restored, infos, memory)

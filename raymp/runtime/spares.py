@@ -13,7 +13,7 @@ when Ray places it); only spares whose actor has answered are taken.
 from __future__ import annotations
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 
 class WarmSpares:
@@ -62,6 +62,13 @@ class WarmSpares:
                 left.append(group)
         self.groups = left
         return taken
+
+    def unplaced(self, wait_s: float = 1.0) -> int:
+        """Spare ranks whose placement group the cluster has no room for yet (after `wait_s` more)."""
+        waiting = [g[0] for g in self.groups if placement_group_table(g[0]).get("state") != "CREATED"]
+        if waiting:
+            ray.wait([pg.ready() for pg in waiting], num_returns=len(waiting), timeout=wait_s)
+        return sum(len(g[1]) for g in self.groups if placement_group_table(g[0]).get("state") != "CREATED")
 
     def pids(self) -> list[int]:
         """The process ids of the ready spares (tests: which process joined)."""

@@ -164,6 +164,23 @@ def test_a_warm_spare_takes_the_lost_ranks_place_with_dp_unchanged(ref, data_cac
 
 
 @pytest.mark.timeout(300)
+def test_spares_the_cluster_has_no_room_for_are_said_and_the_run_goes_on(data_cache, tmp_path, capfd):
+    """A spare as large as each rank, on a Ray whose free CPUs hold the two ranks but not a
+    third: one line on stderr says so (never a spare silently missing), and the run trains."""
+    import ray
+
+    cpus = ray.available_resources()["CPU"] / 2.5  # two ranks fit, a third does not
+    cfg = matrix_cfg(tmp_path, data_cache, parallel={"zero": 0, "micro_batch_size": 1},
+                     train={"steps": 2}, resources={"cpus_per_actor": cpus},
+                     elastic={"keep_survivors": True, "spares": 1})
+    with Trainer(cfg, progress=False) as trainer:
+        history = trainer.fit()
+    said = [line for line in capfd.readouterr().err.splitlines() if "elastic.spares" in line]
+    assert len(said) == 1 and "1 of 1 spare ranks have no room" in said[0] and f"CPU={cpus:g}" in said[0]
+    assert len(history) == 2
+
+
+@pytest.mark.timeout(300)
 def test_a_join_that_fails_leaves_the_survivors_training_and_is_tried_again(ref, data_cache, tmp_path):
     """dp2: rank 1 is killed, rank 0 goes on alone; the rank started to join in its place dies in
     its set-up. Rank 0 keeps the state it held (not the model it was rebuilding for the join), goes
