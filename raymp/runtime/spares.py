@@ -38,30 +38,33 @@ class WarmSpares:
     def ready(self) -> int:
         """Spare ranks that can join now (started, their actors alive); dead ones are let go and
         new ones started in their place."""
-        alive = []
-        for group in self.groups:
-            try:
-                _started(group)
-                alive.append(group)
-            except ray.exceptions.RayActorError:  # its node was lost
-                _release(group)
-        self.groups = alive
-        self.refill()
-        return sum(len(g[1]) for g in self.groups if _started(g))
+        return sum(len(g[1]) for g in self._started_groups())
 
     def take(self, ranks: int) -> list[tuple[tuple, object]]:
         """Up to `ranks` ready spare ranks, whole groups, as (slot, actor); they leave the pool
-        (their placement group is the taker's from now on, placement_groups_taken)."""
-        self.ready()
-        taken, left = [], []
-        for group in self.groups:
+        (their placement group is the taker's from now on: Placement.adopt)."""
+        taken, started = [], self._started_groups()
+        for group in started:
             pg, actors, _ = group
-            if len(taken) + len(actors) <= ranks and _started(group):
+            if len(taken) + len(actors) <= ranks:
                 taken += [((pg, i), actor) for i, actor in enumerate(actors)]
-            else:
-                left.append(group)
-        self.groups = left
+                self.groups.remove(group)
         return taken
+
+    def _started_groups(self) -> list[tuple]:
+        """The groups whose actors have all answered, read once: a group with a dead actor (its
+        node lost) is let go and a new one started, never raised to the caller."""
+        alive, started = [], []
+        for group in self.groups:
+            try:
+                if _started(group):
+                    started.append(group)
+                alive.append(group)
+            except ray.exceptions.RayActorError:
+                _release(group)
+        self.groups = alive
+        self.refill()
+        return started
 
     def unplaced(self, wait_s: float = 1.0) -> int:
         """Spare ranks whose placement group the cluster has no room for yet (after `wait_s` more)."""
@@ -72,7 +75,7 @@ class WarmSpares:
 
     def pids(self) -> list[int]:
         """The process ids of the ready spares (tests: which process joined)."""
-        return [info["pid"] for g in self.groups if _started(g) for info in ray.get(g[2])]
+        return [info["pid"] for g in self._started_groups() for info in ray.get(g[2])]
 
     def shutdown(self) -> None:
         for group in self.groups:
