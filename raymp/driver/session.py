@@ -216,7 +216,7 @@ class Session:
         """Stop one rank's process (a straggler replaced): the next step finds it lost."""
         self.group.kill_ranks([rank])
 
-    def has_free_bundles(self) -> bool:
+    def has_room_to_join(self) -> bool:
         """Free bundles or warm spares, where ranks could join (cheap: no call to Ray)."""
         return self.group is not None and self.group.has_room()
 

@@ -59,7 +59,7 @@ class ElasticRun(Protocol):
 
     def joinable_replicas(self) -> int: ...
 
-    def has_free_bundles(self) -> bool: ...
+    def has_room_to_join(self) -> bool: ...
 
     def join_live(self, replicas: int) -> list[int]: ...
 
@@ -123,8 +123,8 @@ class ElasticController:
 
     def grows_at_checkpoint(self) -> bool:
         """Whether the run should relaunch larger from the checkpoint due now. Not while the group
-        has free bundles: those are where the lost replicas come back, live (join_if_room)."""
-        return not self.run.has_free_bundles() and self.scaling.grow_to(self.run.config) is not None
+        has free bundles or warm spares: there the lost replicas come back, live (join_if_room)."""
+        return not self.run.has_room_to_join() and self.scaling.grow_to(self.run.config) is not None
 
     def join_if_room(self, now: bool) -> bool:
         """Between steps: whole replicas that fit in the group's free bundles again (a lost node
@@ -132,7 +132,7 @@ class ElasticController:
         `now`: no step is queued on the ranks. True when replicas wait to join but must not yet
         (the caller then queues no step ahead, and joins before the next)."""
         if self.policy.refusal() or not self.scaling.may_join(self.run.config) or \
-                not self.run.has_free_bundles():
+                not self.run.has_room_to_join():
             return False
         n = self.scaling.replicas_to_join(self.run.config, self.run.joinable_replicas())
         if n is None or not now:

@@ -137,7 +137,7 @@ class ScalingPolicy:
         """More whole copies of the state than now, up to the configured count, that the free
         bundles hold and the global batch splits into; None if none."""
         now = cfg.parallel.layout.state_replicas
-        if not self.grow_back or not free_replicas:
+        if not self.may_join(cfg) or not free_replicas:
             return None
         n = largest_valid_replicas(cfg, min(now + free_replicas, self.target_replicas))
         return n if n is not None and n > now else None

@@ -78,7 +78,7 @@ class ScriptedRun:
     def joinable_replicas(self):
         return 1
 
-    def has_free_bundles(self):
+    def has_room_to_join(self):
         return True
 
     def join_live(self, replicas):
