@@ -105,10 +105,13 @@ def _tensor_problems(layout: Layout, shape: ModelShape, seq_len: int, devices_pe
     if tp > 1 and devices_per_node is not None and tp > devices_per_node:
         yield (f"parallel.tp ({tp}) exceeds the {devices_per_node} devices of a node; a TP group "
                "stays in one")
-    if tp > 1 and shape.experts:
+    # The built-in model's expert blocks have a TP plan, as they have an expert-parallel one; the
+    # Hugging Face MoE families (experts but no ep_experts) have neither.
+    if tp > 1 and shape.experts and shape.ep_experts is None:
         yield (
-            "model.moe with parallel.tp > 1 is not supported (no tensor-parallel plan for expert blocks "
-            "yet); set parallel.tp=1 and spread the model with parallel.pp or parallel.zero"
+            f"parallel.tp > 1 with {shape.kind}'s mixture-of-experts blocks is not supported (raymp's "
+            "tensor-parallel plan for expert blocks is the built-in model's); set parallel.tp=1 and "
+            "spread the model with parallel.pp or parallel.zero"
         )
     elif tp > 1 and not shape.tp_plan:
         yield ("parallel.tp > 1 needs a tensor-parallel plan for a model.factory model: set "
@@ -180,7 +183,6 @@ def _expert_problems(layout: Layout, shape: ModelShape):
     if layout.dp % ep:
         yield (f"parallel.ep ({ep}) must divide parallel.dp ({layout.dp}): expert parallelism shards experts "
                f"over ep of the dp replicas; set parallel.dp to a multiple of {ep}")
-    # (tp and cp with MoE blocks are refused for every MoE layout: _tensor_problems, _context_problems)
     if layout.dp_replicate > 1 and layout.dp % layout.dp_replicate == 0 and layout.dp_shard % ep:
         yield (f"parallel.ep ({ep}) must divide each HSDP group's ranks (parallel.dp / parallel.dp_replicate "
                f"= {layout.dp_shard}): every group holds all the experts; change parallel.ep or "

@@ -46,12 +46,13 @@ def zero_model_states(psi: float, stage: int, n: int, param_bytes: int = 2, grad
 
 
 def stage_params(args, layers: list[int], first: bool, last: bool, tp: int, ep: int = 1) -> float:
-    """Parameters one rank holds for a stage: routed experts divided by ep, other sharded ones by tp."""
+    """Parameters one rank holds for a stage: routed experts divided by ep, the rest of an MoE
+    feed-forward whole, the other linears divided by tp."""
     total = 0.0
     for layer in layers:
-        sharded, replicated = args.layer_params(layer)
-        experts = args.routed_expert_params(layer)
-        total += (sharded - experts) / tp + experts / ep + replicated
+        linear, replicated = args.layer_params(layer)
+        whole, experts = args.tp_whole_params(layer), args.routed_expert_params(layer)
+        total += (linear - whole) / tp + (whole - experts) + experts / ep + replicated
     vocab = args.vocab_size * args.dim / tp
     if first:
         total += vocab
@@ -68,15 +69,16 @@ def activation_elements_per_token(args, tp: int, sequence_parallel: bool,
     n_heads + 2 per token, of which 6·dim + 2 belong to the two norms and the residual stream (not
     split by TP, split by SP) and the rest to attention and the MLP (split by TP). An MoE block's
     MLP keeps MoEArgs.saved_elements_per_token (at expert-parallel degree `ep`) in place of
-    4·ffn_dim. `layer`: that block's (None: the mean block)."""
+    4·ffn_dim, not split by TP (every tp rank runs it whole). `layer`: that block's (None: the
+    mean block)."""
     norms = 6 * args.dim + 2
     layers = range(args.n_layers) if layer is None else [layer]
     moe = [args.moe is not None and args.moe.is_moe_layer(i) for i in layers]
-    mlp = sum(args.moe.saved_elements_per_token(args.dim, ep) if m else 4 * args.ffn_dim
-              for m in moe) / len(moe)
-    inner = 4 * args.dim + mlp + args.n_heads
+    dense_mlp = sum(0 if m else 4 * args.ffn_dim for m in moe) / len(moe)
+    moe_mlp = sum(args.moe.saved_elements_per_token(args.dim, ep) if m else 0 for m in moe) / len(moe)
+    inner = (4 * args.dim + dense_mlp + args.n_heads) / tp + moe_mlp
     stream = norms / tp + 2 * args.dim if sequence_parallel else norms
-    return inner / tp, stream, args.dim / (tp if sequence_parallel else 1)
+    return inner, stream, args.dim / (tp if sequence_parallel else 1)
 
 
 def in_flight(schedule: str, pp: int, stage: int, micro_batches: int) -> int:

@@ -11,7 +11,7 @@ import torch
 from raymp.config import RunConfig
 from raymp.data import TrainOrder, load_dataset
 from raymp.loss import lm_loss
-from raymp.models import build_model, model_spec
+from raymp.models.build import build_model, model_spec
 from raymp.models.masks import document_eot, mask_kwargs
 from raymp.models.moe import finish_routing, moe_blocks, reset_routing, set_aux_grad_scale
 from raymp.optim import build_optimizer, build_scheduler

@@ -77,19 +77,27 @@ def step_flops(args, global_batch: int, seq_len: int) -> float:
     return 6 * args.active_params * tokens + 12 * args.n_layers * args.dim * seq_len * tokens
 
 
+def _tp_whole_flops(args, tokens: int) -> float:
+    """FLOPs of a step's MoE feed-forwards (6 per active parameter per token), which every tp rank
+    runs whole (raymp.models.llama_tp): done tp times over, not split."""
+    return 6 * tokens * sum(args.tp_whole_params(i, active=True) for i in range(args.n_layers))
+
+
 def step_seconds(args, layout: Layout, cluster: Cluster, global_batch: int, seq_len: int,
                  bf16: bool = True) -> dict:
-    """Compute (6·Ψ·tokens + attention, x4/3 with recomputation) spread over every device at the
-    achievable MFU, stretched by the pipeline bubble, plus exposed TP all-reduces (inside a
-    node), context parallelism's all-to-alls, expert parallelism's (each routed copy of a token
-    to its expert's rank and back, in forward and backward), the pipeline's activation sends between stages,
-    and data parallelism over dp x cp (across nodes when it spans them): the gradient reduction
-    (DDP: once per step; FSDP: a reduce-scatter per micro-batch) and FSDP's parameter gathers
-    (ZeRO-2: once per step; ZeRO-3: forward and backward of every micro-batch). Activations
-    travel in the compute dtype (`bf16`), gradients in fp32."""
+    """Compute (6·Ψ·tokens + attention, MoE feed-forwards once more per extra tp rank, x4/3 with
+    recomputation) spread over every device at the achievable MFU, stretched by the pipeline
+    bubble, plus exposed TP all-reduces (inside a node), context parallelism's all-to-alls,
+    expert parallelism's (each routed copy of a token to its expert's rank and back, in forward
+    and backward), the pipeline's activation sends between stages, and data parallelism over
+    dp x cp (across nodes when it spans them): the gradient reduction (DDP: once per step; FSDP:
+    a reduce-scatter per micro-batch) and FSDP's parameter gathers (ZeRO-2: once per step;
+    ZeRO-3: forward and backward of every micro-batch). Activations travel in the compute dtype
+    (`bf16`), gradients in fp32."""
     from raymp.parallel.pipeline import theoretical_bubble
 
-    flops = step_flops(args, global_batch, seq_len)
+    tokens = global_batch * seq_len
+    flops = step_flops(args, global_batch, seq_len) + (layout.tp - 1) * _tp_whole_flops(args, tokens)
     if layout.activation_checkpointing:
         flops *= 4 / 3
     compute = flops / (layout.world_size * cluster.gpu_tflops * 1e12 * cluster.achievable_mfu)
@@ -144,7 +152,7 @@ def step_seconds(args, layout: Layout, cluster: Cluster, global_batch: int, seq_
         comm[COST_TERMS[key]] *= cluster.cost_factors.get(key, 1.0)
     total = compute + sum(comm.values())
     return {"step_s": total, "compute_s": compute, **comm, "bubble": bubble or 0.0,
-            "tokens_per_s": global_batch * seq_len / total}
+            "tokens_per_s": tokens / total}
 
 
 def _data_parallel_seconds(

@@ -172,7 +172,7 @@ def _check_straggler_replacement(cfg) -> None:
         raise ValueError("elastic.replace_stragglers replaces the stragglers reported, and "
                          "elastic.straggler_factor=0 reports none; set a factor above 1 (e.g. 2) or "
                          "elastic.replace_stragglers=false")
-    if not e.enabled or e.max_restarts == 0:
+    if not e.recovers:
         raise ValueError("elastic.replace_stragglers recovers from a straggler as from a lost rank, and "
                          "this run recovers from none (elastic.enabled=false or elastic.max_restarts=0); "
                          "enable them or set elastic.replace_stragglers=false")
@@ -186,7 +186,7 @@ def _check_straggler_replacement(cfg) -> None:
 def _check_spares(cfg) -> None:
     """A spare joins as the live join does: whole copies of the state, from survivors that kept it."""
     e, lay = cfg.elastic, cfg.parallel.layout
-    if not e.enabled or e.max_restarts == 0 or not e.grow_back:
+    if not e.recovers or not e.grow_back:
         raise ValueError("elastic.spares take lost ranks' places when a run recovers and grows back, and "
                          "this run does neither (elastic.enabled, elastic.max_restarts or "
                          "elastic.grow_back is off); turn them on or set elastic.spares=0")

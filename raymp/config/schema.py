@@ -280,6 +280,11 @@ class ElasticConfig(Strict):
                              "(2: twice its peers' own time), or 0 to turn the report off")
         return value
 
+    @property
+    def recovers(self) -> bool:
+        """Whether this run recovers from any failure at all (the one test of it the rules ask)."""
+        return self.enabled and self.max_restarts > 0
+
 
 class ClusterConfig(Strict):
     """The machines a plan is made for (`raymp plan`, `parallel: auto`)."""

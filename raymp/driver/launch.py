@@ -16,7 +16,8 @@ from raymp.config.rules import vocab_too_small
 from raymp.data import DataPosition
 from raymp.driver.feed import DataFeed
 from raymp.elastic.peer_copies import PeerCopies
-from raymp.models import model_args, model_spec
+from raymp.models import model_args
+from raymp.models.build import model_spec
 from raymp.models.masks import document_eot
 from raymp.models.shape import model_shape
 from raymp.parallel.pipeline import balance_stages

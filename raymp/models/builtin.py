@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from raymp.models.llama import ModelArgs, Transformer
+from raymp.models.moe import MoEFeedForward
 from raymp.models.spec import ModelSpec, seeded_normal
 
 
@@ -33,16 +34,13 @@ class BuiltinSpec(ModelSpec):
         module.reset_buffers()
 
     def tensor_parallel(self, module: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
-        if self.args.moe is not None:  # config rules refuse it first; this guards direct callers
-            raise ValueError(
-                "tensor parallelism of mixture-of-experts blocks is not built; set parallel.tp=1"
-            )
         from torch.distributed.tensor.parallel import parallelize_module
 
         from raymp.models.llama_tp import block_plan, model_plan
 
         for block in module.layers.values():
-            parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
+            moe = isinstance(block.feed_forward, MoEFeedForward)
+            parallelize_module(block, tp_mesh, block_plan(sequence_parallel, moe))
         parallelize_module(module, tp_mesh, model_plan(module, sequence_parallel))
 
     def num_params(self) -> int:

@@ -93,3 +93,18 @@ class FactorySpec(ModelSpec):
 
     def num_params(self) -> int:
         return self._param_count
+
+
+def factory_shape(factory: str, vocab_size: int) -> dict:
+    """Layers, width, and an MLP width that gives each layer its real parameter count. Heads are
+    not visible from outside; they count as one."""
+    with torch.device("meta"):
+        probe = import_object(factory, "model.factory")(vocab_size=vocab_size)
+    layers = getattr(probe, "layers", None)
+    layers = list(layers.values()) if isinstance(layers, torch.nn.ModuleDict) else [probe]
+    embed = getattr(probe, "tok_embeddings", None)
+    dim = embed.weight.shape[1] if embed is not None else 1
+    per_layer = sum(p.numel() for p in layers[0].parameters())
+    return dict(dim=dim, n_layers=len(layers), n_heads=1, n_kv_heads=1,
+                ffn_dim=max(1, (per_layer - 4 * dim * dim) // (3 * dim)), max_seq_len=2**20,
+                rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False, init_std=0.02)

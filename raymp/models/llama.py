@@ -7,77 +7,14 @@ can delete what it does not own while parameter names stay stable for checkpoint
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raymp.models.args import ModelArgs
 from raymp.models.feed_forward import FeedForward
 from raymp.models.masks import causal_document_mask
-from raymp.models.moe import MoEArgs, MoEFeedForward
-
-
-@dataclass(frozen=True)
-class ModelArgs:
-    vocab_size: int
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    ffn_dim: int
-    max_seq_len: int
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = True
-    init_std: float = 0.02
-    moe: MoEArgs | None = None  # None: every block's MLP is dense
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    def _mlp_params(self, active: bool, layer: int | None = None) -> float:
-        """Feed-forward parameters of block `layer` (None: the mean block: MoE models keep their
-        first moe.dense_layers dense); `active`: those one token runs through."""
-        dense = 3 * self.dim * self.ffn_dim
-        if self.moe is None:
-            return dense
-        if layer is not None:
-            return self.moe.layer_params(self.dim)[active] if self.moe.is_moe_layer(layer) else dense
-        return sum(self._mlp_params(active, i) for i in range(self.n_layers)) / self.n_layers
-
-    def layer_params(self, layer: int | None = None) -> tuple[float, int]:
-        """(linear, norm) parameters of block `layer` (None: the mean block): the linears are
-        what tensor parallelism splits, the two RMSNorm weights stay whole."""
-        attention = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
-        return attention + self._mlp_params(active=False, layer=layer), 2 * self.dim
-
-    def routed_expert_params(self, layer: int) -> int:
-        """Parameters of block `layer`'s routed experts (0 in a dense block): what expert
-        parallelism shards."""
-        if self.moe is None or not self.moe.is_moe_layer(layer):
-            return 0
-        return self.moe.n_experts * 3 * self.dim * self.moe.expert_ffn_dim
-
-    def _params(self, linear: float) -> int:
-        vocab = self.vocab_size * self.dim
-        return round(
-            self.n_layers * (linear + 2 * self.dim) + vocab * (1 if self.tie_embeddings else 2) + self.dim
-        )
-
-    @property
-    def num_params(self) -> int:
-        """The whole model's parameters (a tied embedding once), by arithmetic: nothing built."""
-        attention = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
-        return self._params(attention + self._mlp_params(active=False))
-
-    @property
-    def active_params(self) -> int:
-        """Parameters one token runs through (MoE: its k routed experts, not all): what its
-        FLOPs, and so MFU, are counted from. num_params for a dense model."""
-        attention = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
-        return self._params(attention + self._mlp_params(active=True))
+from raymp.models.moe import MoEFeedForward
 
 
 class RMSNorm(nn.Module):

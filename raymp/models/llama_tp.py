@@ -11,15 +11,31 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
 )
 
 
-def block_plan(sequence_parallel: bool) -> dict:
+def block_plan(sequence_parallel: bool, moe: bool = False) -> dict:
     """One transformer block. Between blocks the residual stream is a plain local tensor: the
-    whole sequence (replicated) or, with sequence parallelism, this rank's slice of it."""
+    whole sequence (replicated) or, with sequence parallelism, this rank's slice of it.
+
+    `moe`: the block's feed-forward is a mixture of experts, which TP does not split: every tp
+    rank runs it whole on the whole sequence (gathered under SP, its output sliced back), so
+    its routing is one process's and its gradients are the same on every tp rank, like a norm's.
+    Its experts are split by expert parallelism instead (docs/design.md, MoE)."""
     between = Shard(1) if sequence_parallel else Replicate()
+    feed_forward = {
+        "feed_forward": PrepareModuleInputOutput(
+            input_layouts=(between,), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(between,), use_local_output=True),
+    } if moe else {
+        "feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=between),
+    }
     plan = {
         # forward(x, cos, sin, mask): x is gathered to the full sequence; the RoPE tables and
         # the mask (whole sequence, built from the replicated tokens) are plain.
@@ -29,10 +45,7 @@ def block_plan(sequence_parallel: bool) -> dict:
         "attention.wk": ColwiseParallel(),  # and n_kv_heads/tp key/value heads
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=between),
-        "feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=between),
+        **feed_forward,
     }
     if sequence_parallel:
         plan["attention_norm"] = SequenceParallel()

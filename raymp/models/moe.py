@@ -9,56 +9,14 @@ llama.py; how the routing statistics are summed over ranks is the caller's (raym
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raymp.models.args import MoEArgs
 from raymp.models.feed_forward import FeedForward
 from raymp.models.spec import clean_name
 from raymp.torch_compat import recomputing
-
-
-@dataclass(frozen=True)
-class MoEArgs:
-    n_experts: int
-    top_k: int
-    expert_ffn_dim: int
-    n_shared_experts: int = 0  # each of expert_ffn_dim; run on every token
-    score: str = "softmax"
-    normalize_topk: bool = True  # the k chosen weights are rescaled to sum to 1
-    aux_loss_coef: float = 0.0  # sequence-wise balance loss (DeepSeek-V3's alpha); 0: off
-    bias_update_rate: float = 0.0  # aux-loss-free balancing (DeepSeek-V3's gamma); 0: off
-    dense_layers: int = 0  # the first layers keep a dense MLP (DeepSeek-V3: 3)
-
-    def is_moe_layer(self, layer: int) -> bool:
-        return layer >= self.dense_layers
-
-    def layer_params(self, dim: int) -> tuple[int, int]:
-        """(total, active per token) parameters of one MoE feed-forward block."""
-        expert = 3 * dim * self.expert_ffn_dim
-        router, shared = dim * self.n_experts, self.n_shared_experts * expert
-        return router + shared + self.n_experts * expert, router + shared + self.top_k * expert
-
-    def saved_elements_per_token(self, dim: int, ep: int = 1) -> float:
-        """Elements autograd keeps per token for one MoE block's backward, beyond its input:
-        router scores (n), the k gathered copies of the token and the expert outputs before
-        weighting (3k·dim), each expert's three hidden activations and their product (4k·h), the
-        shared experts' (4·shared·h), and the routing indices (int64: 8k + 2 in 4-byte units).
-        Fitted on ActivationMeter counts over 24 block shapes (residual < 0.01 per token). Under
-        expert parallelism the experts' side (an input row and 4h per routed copy) is priced at
-        the most a rank can receive (received_share)."""
-        h = self.expert_ffn_dim
-        return self.n_experts + 3 * self.top_k * dim + 4 * self.top_k * h + 4 * self.n_shared_experts * h \
-            + 8 * self.top_k + 2 + (self.received_share(ep) - 1) * self.top_k * (dim + 4 * h)
-
-    def received_share(self, ep: int) -> float:
-        """Under expert parallelism, the most routed rows a rank's experts can receive over the
-        k per token of balanced routing: each of the ep ranks' tokens can send min(k, n/ep)
-        copies to them (dropless routing has no capacity to cap it). A router that collapses onto
-        one rank's experts reaches it; the planner prices that, so no routing runs out of memory."""
-        return 1.0 if ep == 1 else ep * min(self.top_k, self.n_experts // ep) / self.top_k
 
 
 def uses_grouped_mm(x: torch.Tensor) -> bool:

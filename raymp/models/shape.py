@@ -4,10 +4,7 @@ validation, the planner and the driver judge a layout by the same sizes."""
 
 from __future__ import annotations
 
-import torch
-
 from raymp.layout_rules import ModelShape
-from raymp.models.custom import import_object
 
 TOKENIZER_VOCAB = {"byte": 256, "gpt2": 50257}
 
@@ -79,19 +76,8 @@ def probed_shape(model: dict) -> dict:
             return shape_fields(load_hf_config(model.get("hf"), model.get("hf_config")))
         except HFModelError as exc:
             raise ValueError(str(exc)) from None
-    return _factory_shape(model["factory"], model.get("vocab_size") or 256)
+    if model.get("factory") is not None:  # built on the meta device: torch, only for a factory
+        from raymp.models.custom import factory_shape
 
-
-def _factory_shape(factory: str, vocab_size: int) -> dict:
-    """Layers, width, and an MLP width that gives each layer its real parameter count. Heads are
-    not visible from outside; they count as one."""
-    with torch.device("meta"):
-        probe = import_object(factory, "model.factory")(vocab_size=vocab_size)
-    layers = getattr(probe, "layers", None)
-    layers = list(layers.values()) if isinstance(layers, torch.nn.ModuleDict) else [probe]
-    embed = getattr(probe, "tok_embeddings", None)
-    dim = embed.weight.shape[1] if embed is not None else 1
-    per_layer = sum(p.numel() for p in layers[0].parameters())
-    return dict(dim=dim, n_layers=len(layers), n_heads=1, n_kv_heads=1,
-                ffn_dim=max(1, (per_layer - 4 * dim * dim) // (3 * dim)), max_seq_len=2**20,
-                rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False, init_std=0.02)
+        return factory_shape(model["factory"], model.get("vocab_size") or 256)
+    raise ValueError("the model section names no Hugging Face model or factory to read a shape off")

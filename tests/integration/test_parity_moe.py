@@ -100,7 +100,33 @@ def test_moe_eight_actor_hsdp_expert_parallel_layout_matches(group8, tiny_cfg):
     assert all(m["moe_all_to_all_s"] > 0 for m in history)
 
 
-@pytest.mark.parametrize("parallel", [dict(dp=2, ep=2, zero=3), dict(dp=1, pp=2, schedule="1f1b")])
+@pytest.mark.parametrize("sp", [False, True])
+def test_moe_tensor_parallel_matches_single_process(sp, group2, tiny_cfg):
+    """tp 2 (+SP): attention split over the two ranks, each MoE feed-forward run whole on both
+    (under SP on the gathered sequence, its output sliced back), so the routing is one process's.
+    Weights within 1e-4, as for dense TP (tests/integration/test_parity_tp.py: the row-parallel
+    sums round differently; measured 2.2e-5 on 1 expert weight of 32768)."""
+    check_moe_parity(moe_cfg(tiny_cfg, dp=1, tp=2, sequence_parallel=sp), group2, weight_atol=1e-4)
+
+
+def test_moe_pipeline_and_tensor_parallel_matches_single_process(group4, tiny_cfg):
+    """pp 2 x tp 2 + SP (1F1B): each stage's attention split over its tp pair, its MoE blocks run
+    whole on both."""
+    cfg = moe_cfg(tiny_cfg, dp=1, pp=2, tp=2, sequence_parallel=True, schedule="1f1b", micro_batch_size=1)
+    check_moe_parity(cfg, group4, weight_atol=1e-4)
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_moe_expert_and_tensor_parallel_matches_single_process(zero, group4, tiny_cfg):
+    """dp 2 x ep 2 x tp 2 + SP: the two replicas split every block's experts (an all-to-all per
+    tp rank, each carrying the whole sequence), attention split over tp."""
+    cfg = moe_cfg(tiny_cfg, dp=2, ep=2, tp=2, sequence_parallel=True, zero=zero, micro_batch_size=1)
+    history = check_moe_parity(cfg, group4, weight_atol=1e-4)
+    assert all(m["moe_all_to_all_s"] > 0 for m in history)
+
+
+@pytest.mark.parametrize("parallel", [dict(dp=2, ep=2, zero=3), dict(dp=1, pp=2, schedule="1f1b"),
+                                      dict(dp=1, tp=2)])
 def test_compiled_moe_blocks_match_eager_single_process(parallel, group2, tiny_cfg):
     """train.compile with MoE: each block's attention and norms (and a dense block whole) compiled,
     the routed feed-forward eager; the losses, weights and every step's routing as eager's.
@@ -139,10 +165,11 @@ def test_moe_eight_actor_expert_parallel_layout_matches(group8, tiny_cfg):
     (dict(dp=2, zero=1), dict(dp=2, ep=2, zero=1)),
     (dict(dp=2, ep=2, zero=1), dict(dp=1, pp=2, schedule="1f1b")),
     (dict(dp=2, ep=2, zero=3), dict(dp=2, zero=1)),
+    (dict(dp=1, tp=2, sequence_parallel=True), dict(dp=2, ep=2, zero=3)),
 ])
 def test_moe_checkpoint_loads_into_another_layout(save_as, load_as, tmp_path, data_cache, group2):
-    """Saved at dp 2 ZeRO-1 (with or without ep 2), loaded at pp 2 / ZeRO-3 / ep 2 (or ep 1):
-    every weight and router bias bit for bit, then the same losses and routing as the run that
+    """Saved at dp 2 ZeRO-1 (with or without ep 2) or tp 2 + SP, loaded at pp 2 / ZeRO-3 / ep 2
+    (or ep 1): every weight and router bias bit for bit, then the same losses and routing as the run that
     went on."""
     from helpers.checkpoint_runs import run_cfg
 
@@ -239,7 +266,8 @@ def check_memory_estimate(cfg: dict, group) -> None:
 
 @pytest.mark.parametrize(
     "parallel", [dict(dp=2, zero=1), dict(dp=1, pp=2), dict(dp=2, zero=3, activation_checkpointing=True),
-                 dict(dp=2, ep=2), dict(dp=2, ep=2, zero=1), dict(dp=2, ep=2, zero=3)]
+                 dict(dp=2, ep=2), dict(dp=2, ep=2, zero=1), dict(dp=2, ep=2, zero=3),
+                 dict(dp=1, tp=2), dict(dp=1, tp=2, sequence_parallel=True)]
 )
 def test_planner_memory_estimate_matches_moe_runs(parallel, group2, tiny_cfg):
     """The planner counts each block as it is (dense or MoE: its experts' state, the routed

@@ -101,7 +101,7 @@ def test_moe_family_is_transformers_forward_and_exports_to_from_pretrained(famil
 
 @pytest.mark.parametrize("change,parallel,match", [
     ({"output_router_logits": True}, {}, "output_router_logits"),
-    ({}, {"tp": 2}, r"model.moe with parallel.tp > 1"),
+    ({}, {"tp": 2}, r"parallel.tp > 1 with the Hugging Face qwen3_moe model's mixture-of-experts blocks"),
     ({"mlp_only_layers": [2]}, {}, "mlp_only_layers"),
 ])
 def test_moe_family_refusals(change, parallel, match):

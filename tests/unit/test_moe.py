@@ -141,7 +141,6 @@ def test_published_moe_shapes():
 @pytest.mark.parametrize("settings,field", [
     ({"model": {"preset": "tiny-moe", "moe": {"top_k": 9}}}, "model.moe.top_k"),
     ({"model": {"preset": "tiny-moe", "moe": {"dense_layers": 4}}}, "model.moe.dense_layers"),
-    ({"model": {"preset": "tiny-moe"}, "parallel": {"tp": 2}}, "parallel.tp"),
     ({"model": {"preset": "tiny-moe"}, "parallel": {"cp": 2}}, "model.moe.aux_loss_coef=0 (the router bias"),
     ({"model": {"preset": "tiny-moe", "moe": {"aux_loss_coef": 0}}, "parallel": {"dp": 2, "ep": 2, "cp": 2}},
      "parallel.ep with parallel.cp > 1 is not supported"),

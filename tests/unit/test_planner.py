@@ -9,7 +9,7 @@ from raymp.config import ConfigError, config_from_dict
 from raymp.layout import Layout
 from raymp.models import model_args
 from raymp.planner import estimate, explain, plan, zero_model_states
-from raymp.step_time import Cluster, calibrate_cost_factors, cluster_from_config, step_seconds
+from raymp.step_time import Cluster, calibrate_cost_factors, cluster_from_config, step_flops, step_seconds
 from helpers.cli import raymp
 from helpers.cli import ROOT
 
@@ -107,6 +107,23 @@ def test_expert_parallelism_shards_experts_prices_its_all_to_alls_and_is_propose
     assert t["ep_comm_s"] > 0 == step_seconds(args, Layout(dp=8, zero=2), cluster, 64, 4096)["ep_comm_s"]
     feasible = plan(args, cluster, 64, 4096).feasible
     assert any(c.layout.ep > 1 for c in feasible[:3])
+
+
+def test_tensor_parallelism_leaves_moe_feed_forwards_whole():
+    """TP splits attention, dense MLPs and the vocabulary; every tp rank runs an MoE feed-forward
+    whole (raymp.models.llama_tp), so the planner keeps its parameters on each rank and prices
+    its compute once per tp rank."""
+    args = _args("qwen3-30b-a3b", 151936)
+    whole = sum(args.tp_whole_params(i) for i in range(args.n_layers))
+    assert whole > 0.9 * args.num_params
+    one, two = (estimate(args, Layout(tp=tp), 8, 4096, True)[0] for tp in (1, 2))
+    split = 1 - whole / args.num_params  # the share tp 2 halves (the norms' few weights aside)
+    assert 1 - two.params_bytes / one.params_bytes == pytest.approx(split / 2, rel=0.01)
+    cluster = Cluster(nodes=1, gpus_per_node=8, gpu_memory_gb=80)
+    moe_share = 6 * 8 * 4096 * args.n_layers * args.moe.layer_params(args.dim)[1] / step_flops(args, 8, 4096)
+    for a, speedup in ((_args("small"), 2.0), (args, 2 / (1 + moe_share))):
+        t1, t2 = (step_seconds(a, Layout(tp=tp), cluster, 8, 4096)["compute_s"] for tp in (1, 2))
+        assert t1 / t2 == pytest.approx(speedup)
 
 
 def test_gpt3_175b_plan_explains_the_seed_layout():
