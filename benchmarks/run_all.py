@@ -41,6 +41,7 @@ SECTIONS = (
     "moe",
     "vote",
     "ep",
+    "gloo",
 )
 
 
@@ -58,6 +59,7 @@ _WHERE = {
     "moe": "moe:measure",
     "vote": "commit_vote:measure",
     "ep": "expert_parallel:measure",
+    "gloo": "gloo_groups:measure",
 }
 
 

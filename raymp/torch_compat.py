@@ -4,6 +4,10 @@ imported where used, as the model code that imports this module sits on the conf
 
 from __future__ import annotations
 
+import contextlib
+import os
+from datetime import timedelta
+
 import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -63,6 +67,82 @@ def flatten_mesh(mesh, name: str):
 def unflatten_mesh(mesh, dim: int, sizes: tuple[int, ...], names: tuple[str, ...]):
     """Split one DeviceMesh dimension into several (HSDP's shard dimension into dp_shard x cp)."""
     return mesh._unflatten(dim, sizes, names)
+
+
+def new_gloo_devices() -> list:
+    """The gloo devices (transport endpoints) torch makes for a group, made once: one per
+    interface GLOO_SOCKET_IFNAME names, else the host's default, as ProcessGroupGloo's own
+    constructor picks them."""
+    from torch.distributed import ProcessGroupGloo
+
+    interfaces = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
+    if interfaces:
+        return [ProcessGroupGloo.create_device(interface=name) for name in interfaces]
+    return [ProcessGroupGloo.create_default_device()]
+
+
+@contextlib.contextmanager
+def gloo_groups_share(devices: list):
+    """Within the block, every gloo process group torch makes (init_process_group, new_group, a
+    DeviceMesh's groups) runs on `devices` instead of devices of its own. torch gives each group
+    a device, and each device a thread that wakes every 10 ms to poll its sockets: a rank in 27
+    groups spent ~5% of a core idle, 0.3% with one device for all (BENCHMARKS.md section 14).
+    Groups on one device stay apart (each has its own connections and tags). c10d builds a
+    group's gloo backend by calling its module's ProcessGroupGloo with a timeout and has no public
+    way to pass devices, so the name is bound to a subclass that passes them for the block's
+    length."""
+    import torch.distributed.distributed_c10d as c10d
+
+    made = c10d.ProcessGroupGloo
+
+    class SharedDeviceGloo(made):
+        def __init__(self, store, rank, size, timeout=timedelta(minutes=30)):
+            options = made._Options()
+            options._devices = devices
+            options._timeout = timeout
+            options._threads = 2 * len(devices)  # the constructor's own default
+            super().__init__(store, rank, size, options)
+
+    c10d.ProcessGroupGloo = SharedDeviceGloo
+    try:
+        yield
+    finally:
+        c10d.ProcessGroupGloo = made
+
+
+@contextlib.contextmanager
+def mesh_groups_from(groups: dict):
+    """Within the block, a DeviceMesh (init_device_mesh, _flatten, _unflatten) takes each of its
+    process groups from `groups` when one of the same ranks, dimension name, backend and timeout
+    was made before, and adds the ones it makes. torch makes new groups for every mesh and has no
+    public way to give it existing ones for a mesh it cuts (flatten, unflatten): a rank that sets
+    up one layout after another (a reused actor group, an elastic re-plan) kept every layout's
+    groups, each with a gloo thread polling its connections. Every rank calls new_group for every
+    group of a dimension in one order, so every rank's `groups` holds the same keys. A one-rank
+    group is shared across dimensions (it has no peer to order its collectives with); a larger
+    one only within its dimension's name, so two roles over the same ranks (dp and ep) keep
+    separate groups, as torch makes them."""
+    import torch.distributed.device_mesh as device_mesh_module
+
+    make = device_mesh_module.new_group
+
+    def shared(ranks=None, timeout=None, backend=None, pg_options=None, group_desc=None, **kwargs):
+        if ranks is None or pg_options is not None:
+            return make(ranks=ranks, timeout=timeout, backend=backend, pg_options=pg_options,
+                        group_desc=group_desc, **kwargs)
+        ranks = tuple(ranks)
+        role = None if len(ranks) == 1 else group_desc  # group_desc: "mesh_<dimension name>"
+        key = (role, ranks, backend, timeout, tuple(sorted(kwargs.items())))
+        if key not in groups:
+            groups[key] = make(ranks=list(ranks), timeout=timeout, backend=backend, group_desc=group_desc,
+                               **kwargs)
+        return groups[key]
+
+    device_mesh_module.new_group = shared
+    try:
+        yield
+    finally:
+        device_mesh_module.new_group = make
 
 
 def clear_mesh_group_registry(mesh) -> None:

@@ -6,10 +6,29 @@ from __future__ import annotations
 from torch.distributed.device_mesh import init_device_mesh
 
 from raymp.layout import Layout
-from raymp.torch_compat import flatten_mesh, unflatten_mesh
+from raymp.torch_compat import flatten_mesh, mesh_groups_from, unflatten_mesh
+
+
+# This process's mesh process groups, reused by every layout it sets up (torch_compat.mesh_groups_from),
+# until it leaves them (forget_mesh_groups).
+_GROUPS: dict = {}
+
+
+def forget_mesh_groups() -> None:
+    """The process groups are gone (the rank left them): the next mesh makes its own, in the new
+    world."""
+    _GROUPS.clear()
 
 
 def device_mesh(layout: Layout, device_type: str) -> dict:
+    """The device mesh by role (_device_mesh), its process groups reused from any layout this
+    process set up before: a rank that trains one layout after another keeps a bounded number
+    of groups, not every layout's."""
+    with mesh_groups_from(_GROUPS):
+        return _device_mesh(layout, device_type)
+
+
+def _device_mesh(layout: Layout, device_type: str) -> dict:
     """The device mesh by role: "cp", "pp", "tp", and "data", the data-parallel ranks that
     gradients average over and ZeRO shards over: dp, or dp and cp flattened into one; under
     HSDP a 2-D mesh (replicate, shard), which FSDP2 reads as shard along the second dimension,

@@ -3,6 +3,7 @@ and runs one whole training step per driver call (all micro-batches, backward, o
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
@@ -21,12 +22,14 @@ import torch.distributed as dist
 # peer of a rank that left it waits out the timeout; docs/design.md, traps).
 import torch.distributed.nn  # noqa: F401
 
+from raymp import torch_compat
 from raymp.checkpoint.coordinator import SaveOrder
 from raymp.checkpoint.in_memory import PeerCopyWriter
 from raymp.checkpoint.rank_state import RankCheckpointer, host_state, load_host_state
+from raymp.data.ray_context import ordered_context
 from raymp.data.stream import ReplicaStream
-from raymp.parallel.mesh import device_mesh
-from raymp.models import model_spec
+from raymp.parallel.mesh import device_mesh, forget_mesh_groups
+from raymp.models.build import model_spec
 from raymp.models.moe import reset_routing
 from raymp.models.spec import clean_name as _clean
 from raymp.optim import build_scheduler
@@ -64,6 +67,7 @@ class Worker(CheckpointCalls):
         self.broken = False  # a step lost a peer: no process group until rejoin()
         self.abandon = StepAbandon()  # set by abandon_step() from the control thread
         self.sockets = GroupSockets()  # what the groups connected, shut when this rank leaves them (gloo)
+        self.gloo_devices: list = []  # the world's gloo devices, shared by its groups (init_distributed)
         freeze_what_is_here()
 
     # -- placement and rendezvous ---------------------------------------------------------
@@ -76,6 +80,15 @@ class Worker(CheckpointCalls):
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
             "threads": self.num_threads,
         }
+
+    def prepare_to_join(self) -> dict:
+        """A warm spare's preparation (raymp.runtime.spares): what a rank's first data stream
+        imports (Ray Data: half a second to a second of a join, docs/design.md) imported now,
+        while the run trains. No dataset is run here: its first run pins Ray Data's cluster-wide
+        actors to this node (place_ray_data_services_here) and asks for CPUs the ranks hold.
+        Returns node_info()."""
+        ordered_context()
+        return self.node_info()
 
     def rendezvous_address(self) -> tuple[str, int]:
         with socket.socket() as s:
@@ -93,7 +106,8 @@ class Worker(CheckpointCalls):
         else:
             self.device = torch.device("cpu")
         self.sockets = GroupSockets(backend)  # the last world's were shut as this rank left it
-        with self.sockets.tracked():
+        self.gloo_devices = torch_compat.new_gloo_devices()  # this world's groups' one transport
+        with self._forming_groups():
             # An explicit timeout: a rank whose peer died must fail, not hang forever (docs/design.md).
             dist.init_process_group(
                 backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,
@@ -106,6 +120,13 @@ class Worker(CheckpointCalls):
         if self.peer_copy is not None:
             self.peer_copy.discard()  # written on a group that is gone
         self.peer_copy = PeerCopyWriter(self.checkpointer, timeout_s)
+
+    @contextlib.contextmanager
+    def _forming_groups(self):
+        """Where this rank makes process groups: their connections are tracked (to be shut when it
+        leaves them) and every gloo group of the world shares its devices (one polling thread)."""
+        with self.sockets.tracked(), torch_compat.gloo_groups_share(self.gloo_devices):
+            yield
 
     @ray.method(concurrency_group="control")
     def abandon_step(self, formation: tuple[str, int]) -> bool:
@@ -174,7 +195,7 @@ class Worker(CheckpointCalls):
             with torch.device("meta"):
                 spec.build_meta()  # imports the model's code first: setup_peak_bytes counts memory, not code
         rss_before = reset_peak_rss()
-        with self.sockets.tracked():  # the mesh's groups, and a pipeline's tied-embedding groups
+        with self._forming_groups():  # the mesh's groups, and a pipeline's tied-embedding groups
             mesh = self._mesh(dims)
             if dims.pp > 1:
                 self.step_runner = PipelineStep(cfg, spec, mesh, self.coords, self.device, dims, document_eot,
@@ -242,8 +263,9 @@ class Worker(CheckpointCalls):
         self._leave_groups(meshes)
 
     def _leave_groups(self, meshes: list) -> None:
-        leave_process_groups(meshes, self.sockets)
+        forget_mesh_groups()  # first: these caches hold the groups too
         forget_tied_groups()
+        leave_process_groups(meshes, self.sockets)
 
     def _drop_model(self) -> None:
         """Let the model, optimizer and step runner go, their memory and any process group

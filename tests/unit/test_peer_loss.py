@@ -86,10 +86,13 @@ def _a_rank_stops_its_second_forward_then_leaves(rank: int, port: int, out: str,
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    from raymp import torch_compat
     from raymp.runtime.peer_loss import GroupSockets, leave_process_groups
 
     sockets = GroupSockets()
-    with sockets.tracked():  # as Worker.init_distributed and Worker.setup
+    devices = torch_compat.new_gloo_devices()
+    # as Worker._forming_groups (in init_distributed and setup): every group on the world's devices
+    with sockets.tracked(), torch_compat.gloo_groups_share(devices):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                                 timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
         mesh = init_device_mesh("cpu", (2,))
