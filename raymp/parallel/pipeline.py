@@ -1,5 +1,6 @@
 """Pipeline parallelism: cut the model into stages, place them on the pp ranks, and run one of
-torch.distributed.pipelining's schedules over them.
+torch.distributed.pipelining's schedules over them (the stage and schedule classes are in
+pipeline_stage.py, which only a pipeline-parallel rank imports).
 
 torch owns the schedules (GPipe, 1F1B, interleaved 1F1B, ZBV zero-bubble, DualPipeV), the
 stage-to-stage activation/gradient transfer and the split backward. raymp adds what it lacks:
@@ -14,27 +15,11 @@ import time
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleZBVZeroBubble,
-)
 from torch.distributed.tensor import DTensor
 
 from raymp.layout import V_SHAPED  # rank r holds stages r and 2p-1-r: first and last on rank 0
-from raymp.models.moe import moe_blocks, set_counting
 from raymp.torch_compat import dtensor_local, view_base
 
-SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved": ScheduleInterleaved1F1B,
-    "zbv": ScheduleZBVZeroBubble,
-    "dualpipev": ScheduleDualPipeV,
-}
 # Schedules that split backward into input-grad (I) and weight-grad (W) passes. FSDP2 must keep
 # parameters gathered between forward and W under these, or gradients come out wrong (docs/design.md).
 ZERO_BUBBLE = frozenset({"zbv", "dualpipev"})
@@ -227,41 +212,6 @@ class ActivationMeter:
 def autocast_context(device, dtype):
     """Forward under autocast to `dtype`, or as is when dtype is None."""
     return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
-
-
-class TimedStage(PipelineStage):
-    """A PipelineStage that clocks each action, meters saved activations and, when asked, runs
-    forward under autocast (bf16 with ZeRO 0/1; FSDP2 casts by itself)."""
-
-    def __init__(self, *args, clock: StepClock, meter: ActivationMeter, autocast_dtype=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.clock, self.meter, self.autocast_dtype = clock, meter, autocast_dtype
-        # torch's schedule runs a stage's forward once more on its first step to infer shapes,
-        # outside forward_one_chunk: MoE routing is counted in micro-batch forwards only.
-        self.moe_blocks = moe_blocks(self.submod)
-        set_counting(self.moe_blocks, False)
-        # Set per step when documents are masked: each micro-batch's document ids, handed to the
-        # stage's forward here (torch's schedules pass step() keywords to the first stage only).
-        self.micro_batch_document_ids = None
-
-    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
-        if self.micro_batch_document_ids is not None:
-            kwargs = {**(kwargs or {}), "document_ids": self.micro_batch_document_ids[fwd_chunk_id]}
-        set_counting(self.moe_blocks, True)
-        try:
-            with self.clock.span(self.stage_index, "F", fwd_chunk_id), self.meter.hooks(), \
-                    autocast_context(self.device, self.autocast_dtype):
-                return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
-        finally:
-            set_counting(self.moe_blocks, False)
-
-    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
-        with self.clock.span(self.stage_index, "B" if full_backward else "I", bwd_chunk_id):
-            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
-
-    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
-        with self.clock.span(self.stage_index, "W", bwd_chunk_id):
-            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
 
 
 def bubble_stats(events_by_pp_rank: list[list[tuple]]) -> dict:

@@ -1,13 +1,13 @@
 """Warm spares (elastic.spares): Worker actors started ahead of need, each group of them in a
 placement group of its own, that take lost ranks' places when the survivors grow back
 (ActorGroup.grow). A cold join starts a process and imports torch and the model code (seconds);
-a spare has done that while the run trained, so only the process group and the state transfer
-are left.
+a spare has done that while the run trained, and imported Ray Data (Worker.prepare_to_join),
+so only the process group, the set-up and the state transfer are left.
 
 A spare's placement group is its own, not a bundle of the ranks' group: Ray marks a whole
 placement group RESCHEDULING when one of its nodes is lost, and while the ranks' group waits for
 room, a bundle in it could not be joined. A spare group waits for room the same way (it starts
-when Ray places it); only spares whose actor has answered are taken.
+when Ray places it); only spares whose actors have prepared are taken.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class WarmSpares:
         if count % unit:
             raise ValueError(f"{count} spare ranks are not whole groups of {unit} (the TP size)")
         self.count, self.unit, self.bundle, self._start_actor = count, unit, bundle, start_actor
-        self.groups: list[tuple] = []  # (placement group, [actor], ref answered once all started)
+        self.groups: list[tuple] = []  # (placement group, [actor], their prepare_to_join refs)
         self.refill()
 
     def refill(self) -> None:
@@ -33,7 +33,7 @@ class WarmSpares:
             pg = placement_group([dict(self.bundle) for _ in range(self.unit)],
                                  strategy="STRICT_PACK" if self.unit > 1 else "PACK")
             actors = [self._start_actor((pg, i)) for i in range(self.unit)]
-            self.groups.append((pg, actors, [a.node_info.remote() for a in actors]))
+            self.groups.append((pg, actors, [a.prepare_to_join.remote() for a in actors]))
 
     def ready(self) -> int:
         """Spare ranks that can join now (started, their actors alive); dead ones are let go and

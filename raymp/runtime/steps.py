@@ -9,7 +9,6 @@ from functools import partial
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 from raymp.config.rules import compiles
 from raymp.layout import runs_under_autocast
@@ -23,11 +22,9 @@ from raymp.parallel.float8 import apply_float8, check_device
 from raymp.parallel.context import apply_context_parallel, sequence_slice
 from raymp.parallel.experts import apply_expert_parallel
 from raymp.parallel.pipeline import (
-    SCHEDULES,
     ZERO_BUBBLE,
     ActivationMeter,
     StepClock,
-    TimedStage,
     autocast_context,
     local_stages,
     stage_to_pp_rank,
@@ -257,16 +254,17 @@ class PipelineStep:
         self.clock, self.meter = StepClock(), ActivationMeter()
         self.loss_meter = LossMeter(cfg, device)
         self._autocast_dtype = _autocast_dtype(cfg)
+        # Here, not at the top: only a pipeline-parallel rank imports torch's pipelining.
+        from raymp.parallel.pipeline_stage import SCHEDULES, TimedStage, runs_several_stages
+
         self.stages = stages = [
             TimedStage(model, s, num_stages, device, group=self.pp_group, clock=self.clock,
                        meter=self.meter, autocast_dtype=self._autocast_dtype)
             for s, model in zip(self.stage_ids, self.engine.models)
         ]
         self.micro_batches = p.layout.micro_batches(cfg.train.global_batch_size)
-        schedule_cls = SCHEDULES[p.schedule]
-        single = not issubclass(schedule_cls, PipelineScheduleMulti)
-        self.schedule = schedule_cls(stages[0] if single else stages, n_microbatches=self.micro_batches,
-                                     loss_fn=self._loss)
+        own = stages if runs_several_stages(p.schedule) else stages[0]
+        self.schedule = SCHEDULES[p.schedule](own, n_microbatches=self.micro_batches, loss_fn=self._loss)
         self.is_first = 0 in self.stage_ids
         self.is_last = num_stages - 1 in self.stage_ids
         self.last_pp_rank = stage_to_pp_rank(num_stages - 1, p.pp, p.schedule)
