@@ -158,7 +158,7 @@ def sweep(sweep: str | Path | SweepSpec | dict, overrides: list[str] | None = No
         trainable, param_space=search_space(spec), run_config=run_config,
         tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, num_samples=spec.samples,
                                     search_alg=_searcher(spec, cfg), scheduler=scheduler,
-                                    max_concurrent_trials=held))
+                                    max_concurrent_trials=held, reuse_actors=True))
     if stop_signals:
         stop_on_signals()  # after Ray connected (see there); Tune's own handler is off (_TUNE_QUIET)
     try:

@@ -30,6 +30,7 @@ class RaympTrial(tune.Trainable):
 
     def setup(self, config: dict[str, Any], base: dict, sweep_name: str, parent_run_id: str | None,
               metric: str) -> None:
+        self.trainer = self.tracker = None  # a reused process's last trial ended in reset_config
         self.params, self.metric, self.last = dict(config), metric, None
         name = f"{sweep_name}-{self.trial_id}"
         sets = [override(field, value) for field, value in self.params.items()]
@@ -92,9 +93,18 @@ class RaympTrial(tune.Trainable):
         if self.trainer.global_step != saved["step"]:
             self.trainer.load_checkpoint(saved["path"])
 
+    def reset_config(self, new_config: dict[str, Any]) -> bool:
+        """The next trial in this trial's process (the sweep's reuse_actors): the last one ends
+        as cleanup() ends it, the next starts as setup() starts it (Tune's with_parameters
+        subclass passes the sweep's arguments again), without a new process importing torch,
+        Tune and MLflow. Its actors are its own, as in a new process."""
+        self.cleanup()
+        self.setup(new_config)
+        return True
+
     def cleanup(self) -> None:
-        trainer = getattr(self, "trainer", None)
-        if trainer is None:  # its config was refused: Tune's error says why
+        trainer, self.trainer = getattr(self, "trainer", None), None
+        if trainer is None:  # its config was refused (Tune's error says why), or it ended already
             return
         if trainer.global_step < trainer.config.train.steps:
             why = self.ended or f"stopped early by the sweep's scheduler after step {trainer.global_step}"
