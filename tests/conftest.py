@@ -4,6 +4,10 @@ tests (Ray start-up costs ~5 s and each actor ~1-2 s here)."""
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import tempfile
+from unittest import mock
 
 import pytest
 
@@ -31,6 +35,67 @@ def pytest_collection_modifyitems(config, items):
                                 "tests/integration: the session's Ray): " + ", ".join(misplaced))
 
 
+_FIRST_FAILURES = 3  # how many failures of a session print the machine's state
+_session: dict = {"reported": 0}
+
+
+def pytest_configure(config):
+    _session["config"] = config
+    _stop_on_sigterm()
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM (a CI job's time limit) ends the session as Ctrl-C does: pytest's summary and the
+    slowest tests' durations, exit 2. By default it kills pytest without a word, and once the
+    session's Ray is up Ray's handler made it one test's failure (SystemExit: 15) and the run
+    went on (pytest.exit would skip the durations)."""
+    def stop(signum, frame):
+        raise KeyboardInterrupt("SIGTERM")
+
+    signal.signal(signal.SIGTERM, stop)
+
+
+def pytest_runtest_logreport(report):
+    """The first failures of a session print what the machine had left (disk, memory, open files,
+    processes) beside the error's first line, at once: when everything after one test fails on a
+    CI machine, its output says why even if the run is cut short."""
+    if not report.failed or _session["reported"] >= _FIRST_FAILURES:
+        return
+    _session["reported"] += 1
+    crash = getattr(report.longrepr, "reprcrash", None)
+    first = ((crash.message if crash else report.longreprtext.strip()).splitlines() or [""])[0][:300]
+    if terminal := _session["config"].pluginmanager.get_plugin("terminalreporter"):
+        tag = f"[failure {_session['reported']}]"
+        terminal.write_line(f"\n{tag} {report.nodeid} ({report.when}): {first}\n{tag} {machine_state()}")
+
+
+def machine_state() -> str:
+    try:
+        return _machine_state()
+    except Exception as exc:  # out of files or processes itself: that is the answer
+        return f"the machine's state could not be read: {exc!r}"
+
+
+def _machine_state() -> str:
+    def free(path: str) -> str:
+        try:
+            return f"{shutil.disk_usage(path).free / 2**30:.1f} GiB"
+        except OSError as exc:
+            return str(exc)
+
+    mem = {}
+    try:
+        with open("/proc/meminfo") as f:
+            mem = {k: v.strip() for k, v in (line.split(":", 1) for line in f)}
+    except OSError:
+        pass
+    fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else -1
+    procs = sum(name.isdigit() for name in os.listdir("/proc")) if os.path.isdir("/proc") else -1
+    return (f"free: {tempfile.gettempdir()} {free(tempfile.gettempdir())}, cwd {free(os.getcwd())}, "
+            f"/dev/shm {free('/dev/shm')}; MemAvailable {mem.get('MemAvailable', '?')}; "
+            f"this process's open files {fds}; processes {procs}; load {os.getloadavg()}")
+
+
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory, ray_local):
     """Preparing data runs Ray Data tasks: on the session's Ray instance, not one of its own."""
@@ -46,42 +111,33 @@ def ray_local():
         # address="local": a Ray of its own, even while another one runs on this machine. Ray's
         # workers import tests/helpers by name (a factory model, a tokenizer, failing workers).
         helpers = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers")
-        ray.init(address="local", num_cpus=32, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"py_modules": [helpers]})
+        # Its log monitor looks for new log files every 2 s, not every 0.1 s (a glob of a folder that
+        # gains files with every actor: ~6% of a core through the integration tier). Its workers
+        # print nothing the tests read (log_to_driver is off).
+        with mock.patch.dict(os.environ, RAY_LOG_MONITOR_MANY_FILES_THRESHOLD="0", LOG_NAME_UPDATE_INTERVAL_S="2"):
+            ray.init(address="local", num_cpus=32, include_dashboard=False, log_to_driver=False,
+                     runtime_env={"py_modules": [helpers]})
+        _stop_on_sigterm()  # ray.init put its own handler in
     yield ray
     ray.shutdown()
 
 
-def _group(world_size):
-    from raymp.runtime.actor_group import ActorGroup
-
-    return ActorGroup(world_size, "cpu", cpus_per_actor=1, placement_timeout_s=60, collective_timeout_s=120)
-
-
 @pytest.fixture(scope="session")
 def group2(ray_local):
-    g = _group(2)
-    yield g
-    g.shutdown()
+    """The 2-actor group, shared by the integration and system tiers (tests/integration/conftest.py
+    has the 4- and 8-actor ones)."""
+    from helpers.groups import shared_group
 
-
-@pytest.fixture(scope="session")
-def group4(ray_local):
-    g = _group(4)
-    yield g
-    g.shutdown()
-
-
-@pytest.fixture(scope="session")
-def group8(ray_local):
-    g = _group(8)
+    g = shared_group(2)
     yield g
     g.shutdown()
 
 
 @pytest.fixture
 def tiny_cfg(data_cache, tmp_path):
-    """A small, fast run: the tiny model on KJV bytes, 5 steps, clipping active."""
+    """A small, fast run: the tiny model (at the fewest layers its layout takes) on KJV bytes, 5
+    steps, clipping active, no validation (a test of validation asks for it: ~1 s a run)."""
+    from helpers.tiny_model import at_fewest_layers
 
     def make(**sections) -> dict:
         cfg = {
@@ -90,7 +146,7 @@ def tiny_cfg(data_cache, tmp_path):
             "output_dir": str(tmp_path / "runs"),
             "model": {"preset": "tiny", "max_seq_len": 64},
             "parallel": {"dp": 2, "zero": 0, "micro_batch_size": 2},
-            "train": {"steps": 5, "global_batch_size": 8, "seq_len": 32, "log_every": 1},
+            "train": {"steps": 5, "global_batch_size": 8, "seq_len": 32, "log_every": 1, "eval_batches": 0},
             "optimizer": {"lr": 1e-2, "warmup_steps": 1, "grad_clip": 1.0},
             "data": {"source": "kjv", "tokenizer": "byte", "cache_dir": data_cache},
             "tracking": {"enabled": False},
@@ -100,6 +156,6 @@ def tiny_cfg(data_cache, tmp_path):
                 cfg.setdefault(section, {}).update(values)
             else:
                 cfg[section] = values
-        return cfg
+        return at_fewest_layers(cfg)
 
     return make

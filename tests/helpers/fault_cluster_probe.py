@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -505,7 +506,7 @@ def main() -> None:
     probe = Probe(cache)
     with open(out_path, "a") as out:
         for name in names:
-            root = tempfile.mkdtemp(prefix="raymp-fault-")
+            root = tempfile.mkdtemp(prefix="scenario-", dir=os.path.dirname(os.path.abspath(out_path)))
             t0 = time.monotonic()
             try:
                 result = SCENARIOS[name](probe, root)
@@ -518,6 +519,8 @@ def main() -> None:
             result.update(name=name, elapsed_s=time.monotonic() - t0)
             out.write(json.dumps(result, default=str) + "\n")
             out.flush()
+            if result.get("error") is None:
+                shutil.rmtree(root, ignore_errors=True)  # its checkpoints: only a failure's are kept
             if result.get("hung"):
                 os._exit(3)  # a thread is stuck: the scenarios after it cannot share this cluster
     probe.shutdown()

@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from helpers.tiny_model import at_fewest_layers
+
 STEPS = 8
 # The matrix's mixture-of-experts model: a balance loss and a bias update, so the router biases
 # are model state that every step changes and a recovery has to carry over exactly.
@@ -16,8 +18,8 @@ MOE_MODEL = {"preset": "tiny-moe", "max_seq_len": 64, "moe": {"aux_loss_coef": 0
 
 
 def matrix_cfg(root: Path, cache: str, ckpt: Path | str | None = None, **sections) -> dict:
-    """The tiny model, dp=2 ZeRO-2, a checkpoint every 2 steps (asynchronous), 8 steps; a loss
-    restarts from the checkpoint (elastic.keep_survivors=false)."""
+    """The tiny model (at the fewest layers its layout takes), dp=2 ZeRO-2, a checkpoint every 2
+    steps (asynchronous), 8 steps; a loss restarts from the checkpoint (elastic.keep_survivors=false)."""
     cfg = {
         "name": "faults", "seed": 3, "output_dir": str(Path(root) / "runs"),
         "model": {"preset": "tiny", "max_seq_len": 64},
@@ -32,7 +34,7 @@ def matrix_cfg(root: Path, cache: str, ckpt: Path | str | None = None, **section
     }
     for section, values in sections.items():
         cfg.setdefault(section, {}).update(values)
-    return cfg
+    return at_fewest_layers(cfg)
 
 
 @dataclass

@@ -13,7 +13,8 @@ from helpers.cli import raymp
 
 
 def test_pipeline_metrics_timeline_and_mlflow_artifacts(group2, tiny_cfg, tmp_path):
-    cfg = tiny_cfg(parallel={"dp": 1, "pp": 2, "schedule": "gpipe", "micro_batch_size": 1},
+    cfg = tiny_cfg(model={"preset": "tiny", "max_seq_len": 64, "n_layers": 4},  # two layers a stage
+                   parallel={"dp": 1, "pp": 2, "schedule": "gpipe", "micro_batch_size": 1},
                    tracking={"enabled": True, "experiment": "pp-test"})
     with Trainer(cfg, actor_group=group2, progress=False) as trainer:
         with pytest.raises(RuntimeError, match="no step has run"):
@@ -47,7 +48,8 @@ def test_pipeline_metrics_timeline_and_mlflow_artifacts(group2, tiny_cfg, tmp_pa
 
 def test_timeline_command(tmp_path, data_cache):
     out = raymp("timeline", "configs/tiny-pipeline.yaml", "--steps", "2", "--out", str(tmp_path / "tl"),
-                "--set", "parallel.dp=1", "--set", "parallel.micro_batch_size=4", "--set", "train.seq_len=64",
+                "--set", "parallel.dp=1", "--set", "parallel.micro_batch_size=2", "--set", "train.seq_len=32",
+                "--set", "train.global_batch_size=8",  # 4 micro-batches: a bubble to draw
                 "--set", f"output_dir={tmp_path}", "--set", f"data.cache_dir={data_cache}")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "bubble" in out.stdout and "theory" in out.stdout

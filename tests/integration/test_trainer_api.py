@@ -64,7 +64,7 @@ def test_dispatch_ahead_trains_the_same_steps_and_crosses_a_save_only_where_it_r
     runs = {}
     for ahead in (False, True):
         cfg = tiny_cfg(parallel={"dp": 2, "zero": 2, "micro_batch_size": 2},
-                       train={"steps": 8, "eval_every": 3, "dispatch_ahead": ahead},
+                       train={"steps": 8, "eval_every": 3, "eval_batches": 1, "dispatch_ahead": ahead},
                        checkpoint={"every": 2, "async_save": False, "dir": str(tmp_path / f"ckpt-{ahead}")})
         with Trainer(cfg, actor_group=group2, progress=False) as trainer:
             history = trainer.fit()

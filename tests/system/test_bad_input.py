@@ -84,8 +84,9 @@ def test_each_bad_path_or_file_is_one_line_with_exit_2(tmp_path, case):
     assert len(lines) <= 2 and expected in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
-def test_version_and_a_mistyped_command_import_no_torch_pydantic_or_ray():
-    """Start-up: a command imports what it needs when it needs it (import log, not a clock)."""
+def test_a_command_imports_what_it_needs_when_it_needs_it():
+    """Start-up (import log, not a clock): --version and a mistyped command import no torch,
+    pydantic or Ray; loading a config, or refusing one, no torch or Ray."""
     for args in (["--version"], ["trian"]):
         out = subprocess.run(
             [sys.executable, "-X", "importtime", "-m", "raymp.cli", *args],
@@ -95,14 +96,20 @@ def test_version_and_a_mistyped_command_import_no_torch_pydantic_or_ray():
         )
         imported = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if "|" in line}
         assert not {"torch", "pydantic", "ray"} & imported, sorted(imported & {"torch", "pydantic", "ray"})
-    config = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "raymp.cli", "config", "configs/tiny.yaml"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
-    imported = {line.split("|")[-1].strip() for line in config.stderr.splitlines() if "|" in line}
-    assert config.returncode == 0 and not {"ray", "torch.distributed.checkpoint"} & imported
+    # Loading and checking a config needs the model's shape, not its code: neither the resolved
+    # config nor a config refused by the layout rules imports torch or Ray.
+    refused = ["train", "configs/tiny.yaml", "--set", "parallel.tp=3"]
+    for args, code in ((["config", "configs/tiny.yaml"], 0), (refused, 2)):
+        config = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "raymp.cli", *args],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "RAY_ADDRESS": ""},
+        )
+        imported = {line.split("|")[-1].strip() for line in config.stderr.splitlines() if "|" in line}
+        assert config.returncode == code, (args, config.returncode, config.stderr[-500:])
+        assert not {"ray", "torch"} & imported, (args, sorted({"ray", "torch"} & imported))
 
 
 def test_a_run_shorter_than_its_warmup_says_so_once_and_trains(tmp_path):

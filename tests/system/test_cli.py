@@ -14,15 +14,22 @@ from helpers.cli import ROOT, raymp
 NOISE = ("WARNING", " INFO ", "Traceback", "Fatal Python error", "Warning:", "SIGABRT")
 
 
+def noise(printed: str) -> str:
+    """The printed lines with a NOISE word, first (a failure's first line is what a CI log shows),
+    then everything printed."""
+    lines = [line for line in printed.splitlines() if any(word in line for word in NOISE)]
+    return "\n".join(lines) + "\n--- all it printed:\n" + printed if lines else ""
+
+
 def test_train_tiny_prints_falling_loss_and_nothing_else(tmp_path):
     """Its own cache: preparing the data (Ray Data's tasks) is part of what must print cleanly, and
     so is MLflow's system-metrics monitor."""
     out = raymp("train", "configs/tiny.yaml", "--set", "train.steps=12", "--set", "train.log_every=4",
                 "--set", "optimizer.warmup_steps=2", "--set", f"output_dir={tmp_path}",
                 "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "tracking.system_metrics=true")
-    assert out.returncode == 0, out.stdout + out.stderr
     printed = out.stdout + out.stderr
-    assert not [word for word in NOISE if word in printed], printed
+    assert out.returncode == 0, f"exit {out.returncode}: {printed}"
+    assert not noise(printed), noise(printed)
     assert printed.startswith("preparing 'kjv'"), printed[:500]
     losses = [float(x) for x in re.findall(r"^step\s+\d+/12\s+loss (\d+\.\d+)", out.stdout, re.M)]
     assert len(losses) >= 3 and losses[-1] < losses[0] - 0.5, out.stdout
@@ -49,11 +56,11 @@ def test_sweep_prints_its_table_and_nothing_else(tmp_path):
         "sweep", str(sweep), "--set", f"output_dir={tmp_path}", "--set", f"data.cache_dir={tmp_path / 'c'}"
     )
     printed = out.stdout + out.stderr
-    assert out.returncode == 0, printed
-    assert not [word for word in NOISE if word in printed], printed
+    assert out.returncode == 0, f"exit {out.returncode}: {printed}"
+    assert not noise(printed), noise(printed)
     rows = [line for line in out.stdout.splitlines() if re.match(r"^\w+_0000[01]\s", line)]
-    assert len(rows) == 2 and all(" completed" in r for r in rows), out.stdout
-    assert re.search(r"^best: trial \w+, loss=\d", out.stdout, re.M), out.stdout
+    assert len(rows) == 2 and all(" completed" in r for r in rows), f"trial rows {rows}: {out.stdout}"
+    assert re.search(r"^best: trial \w+, loss=\d", out.stdout, re.M), f"no best trial: {out.stdout}"
     out = raymp("sweep", str(sweep), "--set", "parallel.dp=3")  # the base config refuses it, as train would
     assert (
         out.returncode == 2 and "Traceback" not in out.stderr and "train.global_batch_size (32)" in out.stderr
