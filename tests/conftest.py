@@ -12,6 +12,12 @@ from unittest import mock
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Every Ray the suite starts (the session's, a CLI run's, a simulated cluster's, the job server's)
+# runs its workers at nice 0, not Ray's 15 (its raylet's worker_niceness, read from this variable,
+# which their processes inherit). Nearly all of a test's work is in workers, and on a machine busy
+# with other work at nice 0 (a CI runner) nice-15 workers get a few percent of a core each: there
+# the suite ran past CI's 90 minutes. docs/design.md, "Where the suite's time goes".
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 # Tiers: a test's folder is its tier and its marker (`pytest tests/unit` is `pytest -m unit`).
 # unit/ uses no Ray. integration/ uses the session's Ray and its actors (the fixtures below).
