@@ -402,12 +402,22 @@ def _peer_copy(probe, root):
 
 
 def _node_loss_after_a_whole_peer_copy(probe, root, cpus: int, parallel: dict, rank: int, **sections) -> dict:
-    """No checkpoint on storage before the end; a peer copy every 2 steps. The node of `rank` is
-    lost once the copy of step 2 is whole on both its nodes (an event, not a clock)."""
+    """No checkpoint on storage before the end; a peer copy every 2 steps. The run is held after
+    step 3 (on its training thread, between two steps) while the copy of step 2 becomes whole on
+    both its nodes (an event, not a clock) and the node of `rank` is lost; step 4 meets the loss.
+    Not held, the run once finished its 8 steps before the copy was seen whole, and the node was
+    lost after the end."""
     probe.reset(2, cpus)
+    held, go = threading.Event(), threading.Event()
+
+    def on_event(name, info):
+        if name == "step" and info["done"] >= 3 and not go.is_set():
+            held.set()
+            go.wait(BOUND_S)
+
     run = Run(cfg_for(root, probe.cache, parallel=parallel, checkpoint={"every": 100},
-                      elastic={"peer_copy_every": 2}, **sections))
-    run.after_steps(3)
+                      elastic={"peer_copy_every": 2}, **sections), on_event=on_event)
+    wait_until(lambda: held.is_set() or not run.thread.is_alive(), "3 steps done, the run held")
     copies = run.trainer.session.launcher.peer_copies
 
     def whole() -> bool:
@@ -420,6 +430,7 @@ def _node_loss_after_a_whole_peer_copy(probe, root, cpus: int, parallel: dict, r
     placed = {"nodes": [n["node_id"] for n in run.trainer.group.nodes],
               "copy_nodes": copies.kept[-1].copy_nodes, "step": copies.kept[-1].step}
     probe.remove(run.node_of_rank(rank))
+    go.set()
     return {**run.finish(), "copy": placed}
 
 
