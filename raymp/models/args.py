@@ -67,6 +67,12 @@ class ModelArgs:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def _attention_params(self) -> int:
+        """One block's attention projections: queries and outputs of n_heads, keys and values of
+        n_kv_heads."""
+        return self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+
     def _mlp_params(self, active: bool, layer: int | None = None) -> float:
         """Feed-forward parameters of block `layer` (None: the mean block: MoE models keep their
         first moe.dense_layers dense); `active`: those one token runs through."""
@@ -80,8 +86,7 @@ class ModelArgs:
     def layer_params(self, layer: int | None = None) -> tuple[float, int]:
         """(linear, norm) parameters of block `layer` (None: the mean block): the linears are
         what tensor parallelism splits, the two RMSNorm weights stay whole."""
-        attention = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
-        return attention + self._mlp_params(active=False, layer=layer), 2 * self.dim
+        return self._attention_params + self._mlp_params(active=False, layer=layer), 2 * self.dim
 
     def tp_whole_params(self, layer: int, active: bool = False) -> float:
         """Parameters of block `layer` that tensor parallelism leaves whole on every tp rank among
@@ -108,15 +113,13 @@ class ModelArgs:
     @property
     def num_params(self) -> int:
         """The whole model's parameters (a tied embedding once), by arithmetic: nothing built."""
-        attention = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
-        return self._params(attention + self._mlp_params(active=False))
+        return self._params(self._attention_params + self._mlp_params(active=False))
 
     @property
     def active_params(self) -> int:
         """Parameters one token runs through (MoE: its k routed experts, not all): what its
         FLOPs, and so MFU, are counted from. num_params for a dense model."""
-        attention = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
-        return self._params(attention + self._mlp_params(active=True))
+        return self._params(self._attention_params + self._mlp_params(active=True))
 
 
 def model_args(model_cfg, vocab_size: int) -> ModelArgs:
