@@ -82,9 +82,9 @@ def open_packed(root: str) -> PackedDataset:
     return PackedDataset(root, manifest)
 
 
-def load_dataset(data_cfg, seq_len: int, log=print) -> PackedDataset:
+def load_dataset(data_cfg, seq_len: int, log=print, cpu_wait_s: float = 0.0) -> PackedDataset:
     """The packed dataset a run reads: `data.source` itself when it is a prepared directory,
-    else the cached preparation of it (prepared now if missing)."""
+    else the cached preparation of it (prepared now if missing; see prepare's `cpu_wait_s`)."""
     if data_cfg.source != "kjv":
         manifest = read_manifest(data_cfg.source) if _is_dir(data_cfg.source) else None
         if manifest is not None:
@@ -97,7 +97,7 @@ def load_dataset(data_cfg, seq_len: int, log=print) -> PackedDataset:
             return PackedDataset(data_cfg.source, manifest)
     root, manifest = prepare(
         data_cfg.source, tokenizer=data_cfg.tokenizer, seq_len=seq_len, cache_dir=data_cfg.cache_dir,
-        text_field=data_cfg.text_field, skip_bad=data_cfg.on_bad_data == "skip", log=log,
+        cpu_wait_s=cpu_wait_s, text_field=data_cfg.text_field, skip_bad=data_cfg.on_bad_data == "skip", log=log,
     )
     return PackedDataset(root, manifest)
 

@@ -22,7 +22,13 @@ import pyarrow.parquet as pq
 import ray
 
 from raymp.data.corpus import DataError, Skip, Source, parse_file, resolve_source
-from raymp.data.ray_context import local_node_if_local_path, offers_no_cpu, on_node, ordered_context
+from raymp.data.ray_context import (
+    local_node_if_local_path,
+    offers_no_cpu,
+    on_node,
+    ordered_context,
+    wait_for_free_cpu,
+)
 from raymp.data.tokenizers import get_tokenizer
 from raymp.ray_connection import connect
 from raymp.storage import absolute, arrow_fs, join
@@ -49,8 +55,10 @@ def read_manifest(root: str) -> dict | None:
 
 def prepare(source_name: str, *, tokenizer: str, seq_len: int, cache_dir: str, text_field: str = "text",
             skip_bad: bool = False, shard_samples: int = 16384, docs_per_block: int = 2048,
-            log=print) -> tuple[str, dict]:
-    """Prepare `source_name` (or find it already prepared). Returns (dataset root, manifest)."""
+            cpu_wait_s: float = 0.0, log=print) -> tuple[str, dict]:
+    """Prepare `source_name` (or find it already prepared). Returns (dataset root, manifest).
+    `cpu_wait_s`: how long to wait for a free CPU to prepare on (a run passes
+    resources.placement_timeout_s; 0: refused at once if none is free)."""
     source = resolve_source(source_name)
     tok = get_tokenizer(tokenizer)
     root = join(absolute(cache_dir), cache_key(source, tok.name, seq_len))
@@ -70,7 +78,7 @@ def prepare(source_name: str, *, tokenizer: str, seq_len: int, cache_dir: str, t
     skipped: Counter = Counter()
     examples: list[str] = []
     documents = 0
-    for block in _tokenized_blocks(source, tokenizer, text_field, skip_bad, docs_per_block):
+    for block in _tokenized_blocks(source, tokenizer, text_field, skip_bad, docs_per_block, cpu_wait_s):
         for tokens, docs, skips in zip(block["tokens"], block["documents"], block["skips"]):
             packer.add(np.asarray(tokens, dtype=np.int32))
             documents += int(docs)
@@ -157,11 +165,14 @@ class _ShardWriter:
 
 # -- the Ray Data part ------------------------------------------------------------------------
 
-def _tokenized_blocks(source: Source, tokenizer: str, text_field: str, skip_bad: bool, docs_per_block: int):
+def _tokenized_blocks(source: Source, tokenizer: str, text_field: str, skip_bad: bool, docs_per_block: int,
+                      cpu_wait_s: float):
     """Blocks of {tokens, documents, skips}, in file and document order, tokenized in parallel."""
     connect(None, 1)
     ordered_context()  # the packed order must not depend on which task finishes first
     node = local_node_if_local_path(source.name)
+    # The read runs on `node` (no CPU reserved where it offers none), the tokenizing anywhere.
+    wait_for_free_cpu(None if offers_no_cpu(node) else node, cpu_wait_s, f"preparing data.source {source.name!r}")
     ds = ray.data.read_binary_files(  # local files are read on this node, a URI anywhere
         list(source.paths),
         filesystem=source.filesystem,

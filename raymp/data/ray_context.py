@@ -4,8 +4,11 @@ dataset needs, and keeping tasks on the node whose disk holds local files."""
 from __future__ import annotations
 
 import logging
+import time
 
 import ray
+
+from raymp.data.corpus import DataError
 
 from raymp.storage import is_uri
 
@@ -20,6 +23,28 @@ def on_node(node_id: str | None) -> dict:
 def node_cpus(node_id: str) -> float:
     """The CPUs `node_id` gives Ray in all (0 for a node that is gone)."""
     return next((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["NodeID"] == node_id), 0)
+
+
+def free_cpus(node_id: str | None) -> float:
+    """Free CPUs in the cluster; with a node, no more than that node has at all."""
+    free = ray.available_resources().get("CPU", 0)
+    return free if node_id is None else min(free, node_cpus(node_id))
+
+
+def wait_for_free_cpu(node_id: str | None, wait_s: float, what: str) -> None:
+    """Wait, at most `wait_s` (resources.placement_timeout_s), until a CPU is free for `what`'s
+    Ray Data tasks (on `node_id`, or anywhere). Ray would queue them without a word, and a run
+    whose actors hold every CPU (a shared cluster, an actor group made beforehand) hung forever."""
+    deadline = time.monotonic() + wait_s
+    while (free := free_cpus(node_id)) < 1:
+        if time.monotonic() >= deadline:
+            where = "the driver's node (the data is a local path there)" if node_id else "the cluster"
+            waited = f" for {wait_s:g} s (resources.placement_timeout_s)" if wait_s else ""
+            raise DataError(
+                f"{what} needs 1 free CPU for its Ray Data tasks, but {where} had {free:g} free{waited}: "
+                "free CPUs there (fewer actors or a lower resources.cpus_per_actor), add a node, or raise "
+                "resources.placement_timeout_s")
+        time.sleep(0.2)
 
 
 def offers_no_cpu(node_id: str | None) -> bool:

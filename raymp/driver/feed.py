@@ -4,13 +4,11 @@ first-stage rank, the held-out batches for validation)."""
 
 from __future__ import annotations
 
-import ray
-
 from raymp.config import ConfigError, RunConfig
 from raymp.data import DataPosition, TrainOrder, load_dataset, replica_slice
 from raymp.data.ray_context import (
     local_node_if_local_path,
-    node_cpus,
+    free_cpus,
     offers_no_cpu,
     place_ray_data_services_here,
 )
@@ -20,7 +18,7 @@ from raymp.layout import Layout
 
 class DataFeed:
     def __init__(self, cfg: RunConfig, log):
-        self.data = load_dataset(cfg.data, cfg.train.seq_len, log=log)
+        self.data = load_dataset(cfg.data, cfg.train.seq_len, log, cfg.resources.placement_timeout_s)
         self.order = TrainOrder(
             self.data.num_samples, cfg.data.val_fraction, cfg.seed, cfg.train.global_batch_size
         )
@@ -61,7 +59,7 @@ class DataFeed:
         (else wait_streams() does: the ranks' next calls run while Ray Data starts)."""
         node = self.node
         cpus = 0 if offers_no_cpu(node) else cfg.data.stream_cpus  # see offers_no_cpu
-        free = _free_cpus(node)
+        free = free_cpus(node)
         if free < cpus:
             where = "the driver's node (data.cache_dir is a local path there)" if node else "the cluster"
             raise ConfigError(
@@ -140,9 +138,3 @@ class DataFeed:
         }
         params.update({f"data.skipped.{reason}": n for reason, n in m["skipped"].items()})
         return params
-
-
-def _free_cpus(node_id: str | None) -> float:
-    """Free CPUs in the cluster; with a node, no more than that node has at all."""
-    free = ray.available_resources().get("CPU", 0)
-    return free if node_id is None else min(free, node_cpus(node_id))

@@ -134,3 +134,32 @@ def test_pluggable_tokenizer(tmp_path, ray_local):
     assert bytes(data.gather([0])[0][:3].astype(np.uint8)) == b"zyx"
     with pytest.raises(ValueError, match="cannot load"):
         get_tokenizer("no_such_module:Thing")
+
+
+def test_preparing_while_every_cpu_is_taken_waits_for_one_then_names_the_knob(tmp_path, ray_local, monkeypatch):
+    """Actors holding every CPU (an actor group made beforehand, a busy shared cluster): Ray
+    would queue the preparation's tasks forever (it did: a run hung without a word). It waits for
+    a free CPU on the node that reads the file, at most the bound. Ray's count of free CPUs is
+    replaced here: the suite's shared Ray is not emptied for one test."""
+    from raymp.data import ray_context
+
+    src = tmp_path / "corpus.txt"
+    src.write_text("the quick brown fox jumps over the lazy dog\n" * 40)
+    kw = dict(tokenizer="byte", seq_len=16, cache_dir=str(tmp_path / "cache"), log=lambda *_: None)
+    asked = []
+
+    def free_cpus(node_id):
+        asked.append(node_id)
+        return 0 if len(asked) < 3 or refuse else 2
+
+    refuse = True
+    monkeypatch.setattr(ray_context, "free_cpus", free_cpus)
+    with pytest.raises(DataError, match=r"needs 1 free CPU for its Ray Data tasks, but the driver's node "
+                                        r"\(the data is a local path there\) had 0 free for 0.5 s "
+                                        r"\(resources.placement_timeout_s\): free CPUs there"):
+        prepare(str(src), cpu_wait_s=0.5, **kw)
+    assert set(asked) == {ray_local.get_runtime_context().get_node_id()}
+    asked.clear()
+    refuse = False  # two CPUs free at the third look: it prepares
+    _, manifest = prepare(str(src), cpu_wait_s=120, **kw)
+    assert len(asked) == 3 and manifest["samples"] > 0
