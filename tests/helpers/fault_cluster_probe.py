@@ -114,12 +114,33 @@ def cfg_for(root: str, cache: str, **sections) -> dict:
     return matrix_cfg(Path(root), cache, **sections)
 
 
-class Run:
-    """A Trainer fitting in a background thread."""
+def steps_done(n: int, committed: int | None = None):
+    """A hold (see Run) after `n` steps, once the checkpoint of step `committed` is committed too."""
+    return lambda trainer, done: done >= n and (
+        committed is None or any(c.step == committed for c in trainer.checkpoints.committed))
 
-    def __init__(self, cfg: dict, on_event=None, **kwargs):
+
+class Run:
+    """A Trainer fitting in a background thread. `holds`: predicates of (trainer, steps done),
+    taken in order: after the first step for which the next one is true, the training thread
+    waits (between two steps, bounded by BOUND_S) until release(). A node removed while it is
+    held meets the next step: one removed while the run went on once came after its last step."""
+
+    def __init__(self, cfg: dict, on_event=None, holds=(), **kwargs):
         self.trainer = Trainer(cfg, progress=False, **kwargs)
-        self.trainer.on_event = on_event
+        self.holds = list(holds)
+        self.held, self.go = threading.Event(), threading.Event()
+
+        def hook(name, info):
+            if on_event is not None:
+                on_event(name, info)
+            if name == "step" and self.holds and self.holds[0](self.trainer, info["done"]):
+                self.holds.pop(0)
+                self.go.clear()
+                self.held.set()
+                self.go.wait(BOUND_S)
+
+        self.trainer.on_event = hook
         self.trainer.setup()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._fit, daemon=True)
@@ -139,6 +160,14 @@ class Run:
             return (steps and saved) or not self.thread.is_alive()
 
         wait_until(ready, f"{n} steps" + (f" and the checkpoint of step {committed}" if committed else ""))
+
+    def when_held(self, what: str) -> None:
+        """Once the run is held (see `holds`), or has ended."""
+        wait_until(lambda: self.held.is_set() or not self.thread.is_alive(), what + ", the run held")
+
+    def release(self) -> None:
+        self.held.clear()
+        self.go.set()
 
     def node_of_rank(self, rank: int) -> str:
         return self.trainer.group.nodes[rank]["node_id"]
@@ -287,13 +316,13 @@ def _mid_write(probe, root):
 @scenario("two node losses in a row")
 def _two_losses(probe, root):
     probe.reset(3, 2)
-    run = Run(cfg_for(root, probe.cache))
-    run.after_steps(2)
+    run = Run(cfg_for(root, probe.cache), holds=[steps_done(2), lambda trainer, _: bool(trainer.restarts)])
+    run.when_held("2 steps done")
     probe.remove(run.node_of_rank(1))
-    wait_until(lambda: run.trainer.restarts or not run.thread.is_alive(), "the first restart")
-    done = len(run.trainer.history)
-    run.after_steps(done + 1)
+    run.release()
+    run.when_held("a step done after the first restart")
     probe.remove(run.node_of_rank(0))
+    run.release()
     return run.finish()
 
 
@@ -311,10 +340,11 @@ def _loss_mid_restart(probe, root, bundle: int):
             go.wait(BOUND_S)
 
     # The group sees its placement group being re-placed and gives up at once (no timeout involved).
-    run = Run(cfg_for(root, probe.cache), on_event=on_event)
-    run.after_steps(3, committed=2)
+    run = Run(cfg_for(root, probe.cache), on_event=on_event, holds=[steps_done(3, committed=2)])
+    run.when_held("3 steps and the checkpoint of step 2")
     where["armed"] = True
     probe.remove(run.node_of_rank(1))
+    run.release()
     wait_until(placed.is_set, "the restart's placement")
     probe.remove(where["nodes"][bundle])
     go.set()
@@ -338,10 +368,11 @@ def _grow_back(probe, root):
             armed["go"].wait(BOUND_S)
 
     tracking = {"enabled": True, "tracking_uri": f"sqlite:///{root}/mlflow.db"}
-    run = Run(cfg_for(root, probe.cache, tracking=tracking), on_event=on_event)
-    run.after_steps(2)
+    run = Run(cfg_for(root, probe.cache, tracking=tracking), on_event=on_event, holds=[steps_done(2)])
+    run.when_held("2 steps done")
     armed["go"] = threading.Event()
     probe.remove(run.node_of_rank(1))
+    run.release()
     wait_until(placed.is_set, "the restart's placement")
     probe.add(2)
     armed["go"].set()
@@ -366,10 +397,12 @@ def _join_back(probe, root):
             wait_until(lambda: len(t.restarts) > 1 or t.group.joinable() > 0, "the lost bundle placed again")
 
     run = state["run"] = Run(cfg_for(root, probe.cache, parallel={"zero": 0, "micro_batch_size": 1},
-                                     elastic={"keep_survivors": True}), on_event=on_event)
-    run.after_steps(3, committed=2)
+                                     elastic={"keep_survivors": True}), on_event=on_event,
+                              holds=[steps_done(3, committed=2)])
+    run.when_held("3 steps and the checkpoint of step 2")
     pids = [n["pid"] for n in run.trainer.group.nodes]
     probe.remove(run.node_of_rank(1))
+    run.release()
     wait_until(lambda: run.trainer.restarts or not run.thread.is_alive(), "the survivors going on")
     probe.add(2)
     back.set()
@@ -408,16 +441,9 @@ def _node_loss_after_a_whole_peer_copy(probe, root, cpus: int, parallel: dict, r
     Not held, the run once finished its 8 steps before the copy was seen whole, and the node was
     lost after the end."""
     probe.reset(2, cpus)
-    held, go = threading.Event(), threading.Event()
-
-    def on_event(name, info):
-        if name == "step" and info["done"] >= 3 and not go.is_set():
-            held.set()
-            go.wait(BOUND_S)
-
     run = Run(cfg_for(root, probe.cache, parallel=parallel, checkpoint={"every": 100},
-                      elastic={"peer_copy_every": 2}, **sections), on_event=on_event)
-    wait_until(lambda: held.is_set() or not run.thread.is_alive(), "3 steps done, the run held")
+                      elastic={"peer_copy_every": 2}, **sections), holds=[steps_done(3)])
+    run.when_held("3 steps done")
     copies = run.trainer.session.launcher.peer_copies
 
     def whole() -> bool:
@@ -430,7 +456,7 @@ def _node_loss_after_a_whole_peer_copy(probe, root, cpus: int, parallel: dict, r
     placed = {"nodes": [n["node_id"] for n in run.trainer.group.nodes],
               "copy_nodes": copies.kept[-1].copy_nodes, "step": copies.kept[-1].step}
     probe.remove(run.node_of_rank(rank))
-    go.set()
+    run.release()
     return {**run.finish(), "copy": placed}
 
 
@@ -465,10 +491,12 @@ def _peer_copy_one_node(probe, root):
 @scenario("no room for one replica: the wait times out and names its knob")
 def _no_room(probe, root):
     probe.reset(1, 2)
-    run = Run(cfg_for(root, probe.cache, parallel={"dp": 1}, elastic={"wait_for_resources_s": 2}))
-    run.after_steps(2)
+    run = Run(cfg_for(root, probe.cache, parallel={"dp": 1}, elastic={"wait_for_resources_s": 2}),
+              holds=[steps_done(2)])
+    run.when_held("2 steps done")
     for node in list(probe.nodes):
         probe.remove(node.node_id)
+    run.release()
     return run.finish()
 
 
