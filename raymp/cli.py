@@ -212,7 +212,8 @@ def _prepare_data(args) -> int:
     source = args.source or d.source
     root, manifest = prepare(
         source, tokenizer=args.tokenizer or d.tokenizer, seq_len=args.seq_len or cfg.train.seq_len,
-        cache_dir=args.cache_dir or d.cache_dir, cpu_wait_s=cfg.resources.placement_timeout_s, text_field=args.text_field or d.text_field,
+        cache_dir=args.cache_dir or d.cache_dir, cpu_wait_s=cfg.resources.placement_timeout_s,
+        text_field=args.text_field or d.text_field,
         skip_bad=args.skip_bad or d.on_bad_data == "skip", log=lambda *_: None,
     )
     print(describe(manifest))

@@ -174,7 +174,9 @@ class ResourcesConfig(Strict):
     cpus_per_actor: float = Field(1, gt=0)
     address: str | None = Field(None, description="Ray address; None: RAY_ADDRESS, else local Ray")
     placement_timeout_s: float = Field(
-        120, gt=0, description="for the placement groups to be ready, and for a free CPU to prepare the data on")
+        120, gt=0,
+        description="for the placement groups to be ready, and for a free CPU to prepare the data on",
+    )
     # 300: four CPU actors starting (a Ray worker each, importing torch) on a busy 2-core machine
     # have taken over 120 s; a hung rank is still named, three minutes later.
     rendezvous_timeout_s: float = Field(

@@ -97,7 +97,8 @@ def load_dataset(data_cfg, seq_len: int, log=print, cpu_wait_s: float = 0.0) -> 
             return PackedDataset(data_cfg.source, manifest)
     root, manifest = prepare(
         data_cfg.source, tokenizer=data_cfg.tokenizer, seq_len=seq_len, cache_dir=data_cfg.cache_dir,
-        cpu_wait_s=cpu_wait_s, text_field=data_cfg.text_field, skip_bad=data_cfg.on_bad_data == "skip", log=log,
+        text_field=data_cfg.text_field, skip_bad=data_cfg.on_bad_data == "skip", cpu_wait_s=cpu_wait_s,
+        log=log,
     )
     return PackedDataset(root, manifest)
 

@@ -172,7 +172,8 @@ def _tokenized_blocks(source: Source, tokenizer: str, text_field: str, skip_bad:
     ordered_context()  # the packed order must not depend on which task finishes first
     node = local_node_if_local_path(source.name)
     # The read runs on `node` (no CPU reserved where it offers none), the tokenizing anywhere.
-    wait_for_free_cpu(None if offers_no_cpu(node) else node, cpu_wait_s, f"preparing data.source {source.name!r}")
+    reader_node = None if offers_no_cpu(node) else node
+    wait_for_free_cpu(reader_node, cpu_wait_s, f"preparing data.source {source.name!r}")
     ds = ray.data.read_binary_files(  # local files are read on this node, a URI anywhere
         list(source.paths),
         filesystem=source.filesystem,
