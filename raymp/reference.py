@@ -89,7 +89,9 @@ def single_process_gradients(cfg: RunConfig) -> dict[str, torch.Tensor]:
 
 def dataset_and_order(cfg: RunConfig):
     """The same prepared dataset and global order a distributed run reads."""
-    data = load_dataset(cfg.data, cfg.train.seq_len, lambda *_: None, cfg.resources.placement_timeout_s)
+    data = load_dataset(
+        cfg.data, cfg.train.seq_len, log=lambda *_: None, cpu_wait_s=cfg.resources.placement_timeout_s
+    )
     return data, TrainOrder(data.num_samples, cfg.data.val_fraction, cfg.seed, cfg.train.global_batch_size)
 
 

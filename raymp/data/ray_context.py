@@ -9,7 +9,6 @@ import time
 import ray
 
 from raymp.data.corpus import DataError
-
 from raymp.storage import is_uri
 
 

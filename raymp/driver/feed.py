@@ -18,7 +18,9 @@ from raymp.layout import Layout
 
 class DataFeed:
     def __init__(self, cfg: RunConfig, log):
-        self.data = load_dataset(cfg.data, cfg.train.seq_len, log, cfg.resources.placement_timeout_s)
+        self.data = load_dataset(
+            cfg.data, cfg.train.seq_len, log=log, cpu_wait_s=cfg.resources.placement_timeout_s
+        )
         self.order = TrainOrder(
             self.data.num_samples, cfg.data.val_fraction, cfg.seed, cfg.train.global_batch_size
         )
