@@ -36,10 +36,12 @@ class ModelShape:
     # A balance loss over each whole sequence's routing (model.moe.aux_loss_coef > 0)
     sequence_balance_loss: bool = False
     # Routed experts per block that expert parallelism can shard; None: the model has no
-    # expert-parallel plan (dense models, Hugging Face MoE families)
+    # expert-parallel plan (dense models)
     ep_experts: int | None = None
+    expert_tp_plan: bool = True  # tensor parallelism has a plan for the expert blocks
     kind: str = "the built-in model"
     layers_field: str = "model.n_layers"  # where the layer count is set, for messages
+    experts_field: str = "model.moe.n_experts"  # where the expert count is set, for messages
     sizes_in: str = ""  # where the tp_sizes are set, when not in the config's model section
 
     @classmethod
@@ -105,9 +107,7 @@ def _tensor_problems(layout: Layout, shape: ModelShape, seq_len: int, devices_pe
     if tp > 1 and devices_per_node is not None and tp > devices_per_node:
         yield (f"parallel.tp ({tp}) exceeds the {devices_per_node} devices of a node; a TP group "
                "stays in one")
-    # The built-in model's expert blocks have a TP plan, as they have an expert-parallel one; the
-    # Hugging Face MoE families (experts but no ep_experts) have neither.
-    if tp > 1 and shape.experts and shape.ep_experts is None:
+    if tp > 1 and shape.experts and not shape.expert_tp_plan:
         yield (
             f"parallel.tp > 1 with {shape.kind}'s mixture-of-experts blocks is not supported (raymp's "
             "tensor-parallel plan for expert blocks is the built-in model's); set parallel.tp=1 and "
@@ -174,12 +174,12 @@ def _expert_problems(layout: Layout, shape: ModelShape):
                "parallel.ep=1, or pick an MoE model (model.moe or model.preset tiny-moe)")
         return
     if shape.ep_experts is None:
-        yield (f"parallel.ep > 1 is implemented for the built-in model's MoE blocks, not {shape.kind}: set "
-               "parallel.ep=1 and spread the model with parallel.pp or parallel.zero")
+        yield (f"parallel.ep > 1 is not implemented for {shape.kind}'s experts: set parallel.ep=1 and "
+               "spread the model with parallel.pp or parallel.zero")
         return
     if shape.ep_experts % ep:
-        yield (f"parallel.ep ({ep}) must divide model.moe.n_experts ({shape.ep_experts}): each ep rank holds "
-               "an equal share of every block's experts; change parallel.ep")
+        yield (f"parallel.ep ({ep}) must divide {shape.experts_field} ({shape.ep_experts}): each ep rank "
+               "holds an equal share of every block's experts; change parallel.ep")
     if layout.dp % ep:
         yield (f"parallel.ep ({ep}) must divide parallel.dp ({layout.dp}): expert parallelism shards experts "
                f"over ep of the dp replicas; set parallel.dp to a multiple of {ep}")

@@ -1,5 +1,6 @@
-"""Hugging Face `transformers` causal LMs (Llama, Qwen2, Mistral and GPT-2 families), trained by
-raymp with dp/ZeRO, pp and tp without touching their code.
+"""Hugging Face `transformers` causal LMs (Llama, Qwen2, Mistral and GPT-2 families, and the
+mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE), trained by raymp with dp/ZeRO, pp, tp
+(dense families) and ep (MoE families) without touching their code.
 
 The model is built from its config on the meta device, and its own submodules (embedding,
 decoder layers, final norm, head) are re-hung in raymp's stageable shape (see spec.py): a
@@ -141,6 +142,12 @@ def moe_fields(cfg) -> dict:
                 n_shared_experts=round(shared / expert), score="softmax",
                 normalize_topk=bool(getattr(cfg, "norm_topk_prob", True)), aux_loss_coef=0.0,
                 bias_update_rate=0.0, dense_layers=len(dense))
+
+
+def experts_key(cfg) -> str:
+    """The config.json key of an MoE family's routed expert count, as its published configs name it
+    (transformers maps Qwen3-MoE's num_experts to num_local_experts inside)."""
+    return "num_local_experts" if cfg.model_type == "mixtral" else "num_experts"
 
 
 def tensor_parallel_dims(cfg) -> dict[str, int]:

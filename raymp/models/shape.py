@@ -14,7 +14,7 @@ def model_shape(model_cfg, vocab_size: int | None, tokenizer: str | None = None)
     wins when set. `tokenizer` names where the vocabulary comes from in messages."""
     vocab = model_cfg.vocab_size or vocab_size
     if model_cfg.hf is not None or model_cfg.hf_config is not None:
-        from raymp.models.hf import load_hf_config, tensor_parallel_dims
+        from raymp.models.hf import experts_key, load_hf_config, tensor_parallel_dims
 
         hf = load_hf_config(model_cfg.hf, model_cfg.hf_config)
         where = (
@@ -31,8 +31,12 @@ def model_shape(model_cfg, vocab_size: int | None, tokenizer: str | None = None)
             sizes,
             sequence_parallel=hf.model_type != "gpt2",
             experts=model_cfg.moe is not None,
+            # transformers' experts modules shard over ep (raymp.parallel.experts); no TP plan
+            ep_experts=model_cfg.moe.n_experts if model_cfg.moe is not None else None,
+            expert_tp_plan=False,
             kind=f"the Hugging Face {hf.model_type} model",
             layers_field=f"{layers} in {where}",
+            experts_field=f"{experts_key(hf)} in {where}",
             sizes_in=where,
         )
     vocab_entry = (

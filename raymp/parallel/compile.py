@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from raymp.models.moe import MoEFeedForward
+from raymp.parallel.experts import stacked_experts
 from raymp.torch_compat import set_compile_threads, unwrapped
 
 
@@ -20,9 +21,10 @@ def apply_compile(model: nn.Module, block_names: list[str], tensor_parallel: boo
     fails in the backward of a whole tensor-parallel block (an eager DTensor redistribution is
     handed a plain tensor), and a compiled norm fed by the embedding's to_local gives a wrong
     embedding gradient (0.03 off, measured in two gloo processes); attention and MLP compiled
-    alone give eager's gradients. In a mixture-of-experts block every part but the routed
-    feed-forward is compiled: its token counts per expert change every step (data-dependent
-    shapes, and under expert parallelism all-to-alls of those counts), so it stays eager. A module
+    alone give eager's gradients. In a mixture-of-experts block (the built-in model's, or a
+    Hugging Face family's) every part but the routed feed-forward is compiled: its token counts
+    per expert change every step (data-dependent shapes, and under expert parallelism
+    all-to-alls of those counts), so it stays eager. A module
     without the stageable shape's blocks (a model.factory module, refused with tp > 1 by the
     config rules) is compiled whole."""
     # As many compile workers as the actor has threads: inductor's default pool starts a
@@ -32,16 +34,23 @@ def apply_compile(model: nn.Module, block_names: list[str], tensor_parallel: boo
     for name in block_names:
         block = model.get_submodule(name)
         inner = unwrapped(block)  # under activation checkpointing
-        routed = any(isinstance(child, MoEFeedForward) for child in inner.children())
+        routed = any(_routes_tokens(child) for child in inner.children())
         if not tensor_parallel and not routed:
             block.compile()
             continue
         for child in inner.children():
-            if isinstance(child, MoEFeedForward) or (tensor_parallel and not _has_sharded_parameters(child)):
+            if _routes_tokens(child) or (tensor_parallel and not _has_sharded_parameters(child)):
                 continue
             child.compile()
     if not block_names:
         model.compile()
+
+
+def _routes_tokens(module: nn.Module) -> bool:
+    """Whether `module` holds a routed feed-forward: the built-in model's MoE block, or one of
+    transformers' experts modules (Mixtral's and Qwen-MoE's sparse blocks)."""
+    built_in = any(isinstance(m, MoEFeedForward) for m in module.modules())
+    return built_in or bool(stacked_experts(module))
 
 
 def _has_sharded_parameters(module: nn.Module) -> bool:

@@ -20,7 +20,7 @@ from raymp.parallel.checkpointing import apply_activation_checkpointing
 from raymp.parallel.compile import apply_compile
 from raymp.parallel.float8 import apply_float8, check_device
 from raymp.parallel.context import apply_context_parallel, sequence_slice
-from raymp.parallel.experts import apply_expert_parallel
+from raymp.parallel.experts import apply_expert_parallel, expert_modules
 from raymp.parallel.pipeline import (
     ZERO_BUBBLE,
     ActivationMeter,
@@ -98,6 +98,7 @@ class LocalStep:
         self.tied_embeddings = spec.tie_embeddings
         self.engine = _parallelize([model], spec, cfg, mesh, device, kept=kept)
         self.moe_blocks = moe_blocks(model)
+        self.expert_shards = expert_modules(model)
         self._autocast_dtype = _autocast_dtype(cfg)
         self.loss_meter = LossMeter(cfg, device)
         self.meter = ActivationMeter()  # saved activations, loss included
@@ -251,6 +252,7 @@ class PipelineStep:
         # The schedule divides gradients by the micro-batches after backward (scale_grads), the
         # balance loss's with them: its gradient keeps scale 1.
         self.moe_blocks = {name: b for m in modules for name, b in moe_blocks(m).items()}
+        self.expert_shards = [e for m in modules for e in expert_modules(m)]
         self.clock, self.meter = StepClock(), ActivationMeter()
         self.loss_meter = LossMeter(cfg, device)
         self._autocast_dtype = _autocast_dtype(cfg)

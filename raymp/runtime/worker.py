@@ -289,7 +289,7 @@ class Worker(CheckpointCalls):
             sample_ids, tokens, data_wait = self.stream.next(step)
         measure = self.memory.measures(step)
         self.step_runner.measure_memory(measure)
-        exchange_seconds(self.step_runner.moe_blocks)  # the step's own exchanges only (not validation's)
+        exchange_seconds(self.step_runner.expert_shards)  # the step's own exchanges only (not validation's)
         out = self.step_runner.forward_backward(tokens)
         p = self.cfg.parallel
         ballot = Ballot(step, out["loss"], sample_ids, p.layout.local_batch(self.cfg.train.global_batch_size),
@@ -328,7 +328,7 @@ class Worker(CheckpointCalls):
             checkpoint=finished,
             save_started=started,
             routing=routing,
-            expert_exchange_s=exchange_seconds(self.step_runner.moe_blocks),
+            expert_exchange_s=exchange_seconds(self.step_runner.expert_shards),
             **self.memory.last,
         )
 

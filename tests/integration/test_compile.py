@@ -45,10 +45,11 @@ def test_compiled_hugging_face_llama_under_tp2_matches_eager(group2, tiny_cfg):
     check_parity(cfg, group2, weight_atol=2e-4)
 
 
-def test_compiled_hugging_face_mixtral_matches_eager(group2, tiny_cfg):
-    """transformers' Mixtral decoder layers handed to torch.compile whole, the sparse MoE block and
-    its data-dependent token counts per expert included: dp2 ZeRO-3 trains as eager one process."""
-    cfg = hf_run(tiny_cfg, {"hf_config": MOE_FAMILIES["mixtral"]},
-                 {"dp": 2, "zero": 3, "micro_batch_size": 2})
+@pytest.mark.parametrize("layout", [{"zero": 3}, {"ep": 2}], ids=["dp2-zero3", "dp2-ep2"])
+def test_compiled_hugging_face_mixtral_matches_eager(layout, group2, tiny_cfg):
+    """transformers' Mixtral decoder layers compiled but for the sparse MoE block (data-dependent
+    token counts per expert; under ep2 all-to-alls of them), as the built-in model's: dp2 ZeRO-3
+    and dp2 x ep2 train as eager one process."""
+    cfg = hf_run(tiny_cfg, {"hf_config": MOE_FAMILIES["mixtral"]}, {"dp": 2, "micro_batch_size": 2, **layout})
     cfg["train"]["compile"] = True
     check_parity(cfg, group2, weight_atol=WEIGHT_ATOL)

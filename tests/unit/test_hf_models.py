@@ -103,6 +103,7 @@ def test_moe_family_is_transformers_forward_and_exports_to_from_pretrained(famil
     ({"output_router_logits": True}, {}, "output_router_logits"),
     ({}, {"tp": 2}, r"parallel.tp > 1 with the Hugging Face qwen3_moe model's mixture-of-experts blocks"),
     ({"mlp_only_layers": [2]}, {}, "mlp_only_layers"),
+    ({}, {"dp": 8, "ep": 8}, r"parallel.ep \(8\) must divide num_experts in model.hf_config \(4\)"),
 ])
 def test_moe_family_refusals(change, parallel, match):
     with pytest.raises(ConfigError, match=match):

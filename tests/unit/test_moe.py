@@ -157,7 +157,8 @@ def test_published_moe_shapes():
     ({"model": {"hf_config": {"model_type": "mixtral", "hidden_size": 64, "num_hidden_layers": 2,
                               "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
                               "vocab_size": 256, "num_local_experts": 4, "num_experts_per_tok": 2}},
-      "parallel": {"dp": 2, "ep": 2}, "tracking": {"enabled": False}}, "built-in model's MoE blocks"),
+      "parallel": {"dp": 8, "ep": 8}, "tracking": {"enabled": False}},
+     "parallel.ep (8) must divide num_local_experts in model.hf_config (4)"),
 ])
 def test_moe_refusals_name_the_field(settings, field):
     with pytest.raises((ConfigError, ValueError)) as err:
@@ -213,12 +214,14 @@ def test_an_expert_parallel_rank_that_receives_no_rows_still_gives_its_experts_z
     """A collapsed router can send one ep rank's experts nothing; their gradients must still
     exist (zeros) for the all-reduce over the ranks holding the same experts, and the empty rows
     must get a gradient too: the all-to-all that brought them runs its backward only then."""
+    from raymp.models.moe import swiglu_experts
     from raymp.parallel.experts import run_local_experts
 
     weights = [torch.randn(4, 8, 16, requires_grad=True), torch.randn(4, 8, 16, requires_grad=True),
                torch.randn(4, 16, 8, requires_grad=True)]
     rows = torch.randn(0, 8, requires_grad=True)
-    out = run_local_experts(rows, torch.zeros(4, dtype=torch.long), weights)
+    out = run_local_experts(rows, torch.zeros(4, dtype=torch.long),
+                            lambda x, n: swiglu_experts(x, n, *weights))
     out.sum().backward()
     assert out.shape == (0, 8)
     assert all(w.grad is not None and not w.grad.any() for w in weights)
