@@ -1,6 +1,6 @@
 """Hugging Face `transformers` causal LMs (Llama, Qwen2, Mistral and GPT-2 families, and the
-mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE), trained by raymp with dp/ZeRO, pp, tp
-(dense families) and ep (MoE families) without touching their code.
+mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3), trained by raymp with dp/ZeRO,
+pp, tp (dense families) and ep (MoE families) without touching their code.
 
 The model is built from its config on the meta device, and its own submodules (embedding,
 decoder layers, final norm, head) are re-hung in raymp's stageable shape (see spec.py): a
@@ -25,11 +25,11 @@ import torch
 from torch import nn
 
 from raymp.models.masks import hf_masks
-from raymp.models.spec import EMBEDDING, HEAD, ModelSpec, generic_initial_value
+from raymp.models.spec import EMBEDDING, HEAD, ModelSpec, clean_name, generic_initial_value
 
 # Mixture-of-experts families run transformers' own sparse blocks (dropless top-k, experts as
 # stacked weights); raymp pipelines and data-parallelizes them like the dense ones.
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 LLAMA_LIKE = ("llama", "qwen2", "mistral", *MOE_FAMILIES)
 SUPPORTED = (*LLAMA_LIKE, "gpt2")
 
@@ -130,16 +130,19 @@ def moe_fields(cfg) -> dict:
             "output_router_logits=false, or use the built-in model's model.moe.aux_loss_coef")
     expert = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
     shared = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
+    shared = shared or (getattr(cfg, "n_shared_experts", 0) or 0) * expert  # DeepSeek-V3's
     sparse_step = getattr(cfg, "decoder_sparse_step", 1) or 1
     dense = set(getattr(cfg, "mlp_only_layers", None) or ())
     dense |= {i for i in range(cfg.num_hidden_layers) if (i + 1) % sparse_step}
+    dense |= set(range(getattr(cfg, "first_k_dense_replace", 0) or 0))  # DeepSeek-V3's leading dense layers
     if dense and dense != set(range(len(dense))):
         raise HFModelError(f"{cfg.model_type}: dense MLP layers {sorted(dense)} between MoE ones are not "
                            "supported (raymp plans leading dense layers only); set mlp_only_layers=[] and "
                            "decoder_sparse_step=1 in the config")
     return dict(n_experts=getattr(cfg, "num_local_experts", None) or cfg.num_experts,
                 top_k=cfg.num_experts_per_tok, expert_ffn_dim=expert,
-                n_shared_experts=round(shared / expert), score="softmax",
+                n_shared_experts=round(shared / expert),
+                score="sigmoid" if cfg.model_type == "deepseek_v3" else "softmax",
                 normalize_topk=bool(getattr(cfg, "norm_topk_prob", True)), aux_loss_coef=0.0,
                 bias_update_rate=0.0, dense_layers=len(dense))
 
@@ -147,7 +150,8 @@ def moe_fields(cfg) -> dict:
 def experts_key(cfg) -> str:
     """The config.json key of an MoE family's routed expert count, as its published configs name it
     (transformers maps Qwen3-MoE's num_experts to num_local_experts inside)."""
-    return "num_local_experts" if cfg.model_type == "mixtral" else "num_experts"
+    keys = {"mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts"}
+    return keys.get(cfg.model_type, "num_experts")
 
 
 def tensor_parallel_dims(cfg) -> dict[str, int]:
@@ -392,6 +396,13 @@ class HFSpec(ModelSpec):
         if isinstance(module, LlamaLikeLM):  # inv_freq was computed on the meta device
             device = next(module.parameters()).device
             module.rotary = type(module.rotary)(config=self.hf_config).to(device)
+        # DeepSeek-V3's router bias (a buffer: transformers moves it in no training step, nor
+        # does raymp): the stored one when the weights come from a directory, else zeros.
+        with torch.no_grad():
+            for name, bias in module.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    bias.copy_(self.weights.read(hf_name(self.model_type, clean_name(name)))
+                               if self.weights is not None else torch.zeros_like(bias))
 
     def tensor_parallel(self, module: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
         from torch.distributed.tensor.parallel import parallelize_module

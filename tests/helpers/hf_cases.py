@@ -51,6 +51,25 @@ MOE_FAMILIES = {
         moe_intermediate_size=32,
         head_dim=16,
     ),
+    # Latent attention, sigmoid routing limited to 1 of 2 expert groups, a shared expert, the
+    # first layer dense: DeepSeek-V3's shape, small.
+    "deepseek_v3": dict(
+        _MOE_BASE,
+        model_type="deepseek_v3",
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+        moe_intermediate_size=32,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+    ),
 }
 
 

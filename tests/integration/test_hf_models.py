@@ -173,6 +173,7 @@ def test_train_pp2_tp2_export_and_reload_in_transformers(family, group4, tiny_cf
     # Expert parallelism on transformers' own experts modules (raymp.parallel.experts)
     ("mixtral", {"dp": 2, "ep": 2}), ("qwen3_moe", {"dp": 2, "ep": 2, "zero": 3}),
     ("qwen2_moe", {"dp": 2, "ep": 2, "zero": 1}),
+    ("deepseek_v3", {"dp": 2, "ep": 2}), ("deepseek_v3", {"dp": 1, "pp": 2}),
 ])
 def test_moe_family_trains_like_one_process(family, layout, group2, tiny_cfg):
     check_parity(
