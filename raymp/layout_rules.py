@@ -199,8 +199,9 @@ def _context_problems(layout: Layout, shape: ModelShape, seq_len: int):
                "loss needs each whole sequence's routing, and cp splits sequences); set parallel.cp=1, or "
                "model.moe.aux_loss_coef=0 (the router bias alone balances the experts)")
         return
-    if layout.ep > 1:
-        yield "parallel.ep with parallel.cp > 1 is not supported; set parallel.ep=1 or parallel.cp=1"
+    if layout.ep > 1 and layout.dp_replicate > 1:
+        yield ("parallel.ep with parallel.cp > 1 under HSDP (parallel.dp_replicate > 1) is not supported; "
+               "set parallel.dp_replicate=1, parallel.ep=1 or parallel.cp=1")
         return
     if shape.cp_heads is None:
         yield (f"parallel.cp is implemented for the built-in model only, not {shape.kind}: set parallel.cp=1 "

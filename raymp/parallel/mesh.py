@@ -33,8 +33,9 @@ def _device_mesh(layout: Layout, device_type: str) -> dict:
     gradients average over and ZeRO shards over: dp, or dp and cp flattened into one; under
     HSDP a 2-D mesh (replicate, shard), which FSDP2 reads as shard along the second dimension,
     replicate along the first. Under expert parallelism also "ep" (the ranks that split each
-    block's experts) and "expert_data" (the ranks that hold the same expert shard; under HSDP a
-    2-D mesh too: the groups, and the ranks of one group that hold the same experts)."""
+    block's experts: ep consecutive dp replicas at one cp rank) and "expert_data" (the ranks that
+    hold the same expert shard: its dp replicas and, under cp, every cp rank of theirs; under
+    HSDP a 2-D mesh too: the groups, and the ranks of one group that hold the same experts)."""
     if layout.dp_replicate > 1:
         mesh = init_device_mesh(
             device_type,
@@ -44,7 +45,7 @@ def _device_mesh(layout: Layout, device_type: str) -> dict:
         shard_cp = unflatten_mesh(mesh["dp_shard_cp"], 0, (layout.dp_shard, layout.cp), ("dp_shard", "cp"))
         roles = {"data": mesh["dp_replicate", "dp_shard_cp"], "cp": shard_cp["cp"], "pp": mesh["pp"],
                  "tp": mesh["tp"]}
-        if layout.ep > 1:  # inside each HSDP group (no cp with MoE): its experts HSDP-sharded over the groups
+        if layout.ep > 1:  # inside each HSDP group (ep with cp refused): experts HSDP-sharded over the groups
             split = unflatten_mesh(mesh, 1, (layout.dp_shard // layout.ep, layout.ep), ("expert_shard", "ep"))
             roles.update(ep=split["ep"], expert_data=split["dp_replicate", "expert_shard"])
         return roles
@@ -53,7 +54,10 @@ def _device_mesh(layout: Layout, device_type: str) -> dict:
     )
     data = flatten_mesh(mesh["dp", "cp"], "dp_cp") if layout.cp > 1 else mesh["dp"]
     roles = {"data": data, "cp": mesh["cp"], "pp": mesh["pp"], "tp": mesh["tp"]}
-    if layout.ep > 1:  # ep innermost in dp (Layout.ep_rank); "expert_data": the copies of one expert shard
+    if layout.ep > 1 and layout.cp == 1:  # ep innermost in dp (Layout.ep_rank)
         split = unflatten_mesh(mesh["dp"], 0, (layout.expert_replicas, layout.ep), ("expert_data", "ep"))
         roles.update(ep=split["ep"], expert_data=split["expert_data"])
+    elif layout.ep > 1:  # and each cp rank's experts see its slice: the copies span cp too
+        split = unflatten_mesh(mesh, 0, (layout.expert_replicas, layout.ep), ("expert_data", "ep"))
+        roles.update(ep=split["ep"], expert_data=flatten_mesh(split["expert_data", "cp"], "expert_data_cp"))
     return roles

@@ -136,12 +136,15 @@ def test_compiled_moe_blocks_match_eager_single_process(parallel, group2, tiny_c
     check_moe_parity(cfg, group2, weight_atol=2e-4)
 
 
-@pytest.mark.parametrize("parallel", [dict(dp=1, cp=2), dict(dp=2, cp=2, zero=3)])
+@pytest.mark.parametrize("parallel", [dict(dp=1, cp=2), dict(dp=2, cp=2, zero=3), dict(dp=2, cp=2, ep=2),
+                                      dict(dp=2, cp=2, ep=2, zero=3)])
 def test_moe_context_parallel_matches_single_process(parallel, group2, group4, tiny_cfg):
     """cp with MoE, balanced by the router bias alone (aux_loss_coef 0: the sequence-wise loss needs
     whole sequences, refused under cp): each rank routes its slice of every sequence, and the
-    tokens per expert, summed over dp x cp, move the bias as one process's do. Weights to 1e-4, as
-    for dense cp (tests/integration/test_parity_cp.py: attention's sums regrouped by head)."""
+    tokens per expert, summed over dp x cp, move the bias as one process's do. Under ep the two dp
+    replicas at each cp rank split the experts, whose gradients average over both cp ranks too.
+    Weights to 1e-4, as for dense cp (tests/integration/test_parity_cp.py: attention's sums
+    regrouped by head)."""
     cfg = moe_cfg(tiny_cfg, micro_batch_size=1, **parallel)
     cfg["model"]["moe"]["aux_loss_coef"] = 0.0
     check_moe_parity(cfg, group2 if parallel["dp"] == 1 else group4, weight_atol=1e-4)
