@@ -157,11 +157,17 @@ class Launcher:
 
 
 def restore_survivors(group: ActorGroup, joined: dict[int, int], timeout_s: float) -> None:
-    """Every rank's kept state back in place; a joined rank gets its source's copy (asked for
-    before the source restores its own: an actor runs its calls in order)."""
-    copies = {source: group.workers[source].kept_state.remote() for source in set(joined.values())}
-    group.collect([w.restore_kept.remote(copies[joined[rank]]) if rank in joined else w.restore_kept.remote()
-                   for rank, w in enumerate(group.workers)], timeout_s, SETUP_KNOB)
+    """Every rank's kept state back in place; a joined rank first receives its source's copy,
+    sent by the source over the new process group before it restores its own (an actor runs
+    its calls in order; raymp.runtime.transfer)."""
+    takers: dict[int, list[int]] = {}
+    for rank, source in joined.items():
+        takers.setdefault(source, []).append(rank)
+    described = {source: group.workers[source].describe_kept.remote() for source in takers}
+    calls = [group.workers[source].send_kept.remote(ranks) for source, ranks in takers.items()]
+    calls += [group.workers[rank].receive_kept.remote(source, described[source])
+              for rank, source in joined.items()]
+    group.collect(calls + [w.restore_kept.remote() for w in group.workers], timeout_s, SETUP_KNOB)
 
 
 def num_params(cfg: RunConfig, vocab_size: int) -> int:

@@ -43,6 +43,7 @@ from raymp.runtime.process_memory import (freeze_what_is_here, peak_memory, peak
 from raymp.runtime.report import MemorySampler, RankReport, RankSetup
 from raymp.runtime.steps import LocalStep, PipelineStep, forget_tied_groups
 from raymp.runtime.thread_time import own_time_s
+from raymp.runtime.transfer import describe, receive_state, send_state
 
 
 class Worker(CheckpointCalls):
@@ -82,12 +83,15 @@ class Worker(CheckpointCalls):
         }
 
     def prepare_to_join(self) -> dict:
-        """A warm spare's preparation (raymp.runtime.spares): what a rank's first data stream
-        imports (Ray Data: half a second to a second of a join, docs/design.md) imported now,
-        while the run trains. No dataset is run here: its first run pins Ray Data's cluster-wide
-        actors to this node (place_ray_data_services_here) and asks for CPUs the ranks hold.
-        Returns node_info()."""
+        """A warm spare's preparation (raymp.runtime.spares): what a rank's first data stream and
+        set-up import, imported now, while the run trains: Ray Data (half a second to a second of
+        a join, docs/design.md), and torch._dynamo, which torch imports the first time a module
+        is initialised on the meta device (0.56 s of a first set-up, idle). No dataset is run
+        here: its first run pins Ray Data's cluster-wide actors to this node
+        (place_ray_data_services_here) and asks for CPUs the ranks hold. Returns node_info()."""
         ordered_context()
+        with torch.device("meta"):
+            torch.nn.Embedding(2, 2)
         return self.node_info()
 
     def rendezvous_address(self) -> tuple[str, int]:
@@ -153,14 +157,24 @@ class Worker(CheckpointCalls):
         self._meshes, self.broken = {}, False
         self.init_distributed(rank, world_size, addr, port, backend, timeout_s)
 
-    def kept_state(self) -> dict:
-        return self._kept  # keep_state()'s copy, for a rank joining in its place of another replica
+    def describe_kept(self) -> dict:
+        """What a rank joining in this rank's place of another replica needs to receive
+        keep_state()'s copy (raymp.runtime.transfer)."""
+        return describe(self._kept)
 
-    def restore_kept(self, peer_state: dict | None = None) -> None:
-        """After set-up in the new layout: the state keep_state() copied, back in place; on a
-        rank that joined, the copy of the live peer that holds the same part (kept_state)."""
-        load_host_state(self._kept if peer_state is None else peer_state, self.step_runner, self.engine,
-                        self.scheduler)
+    def send_kept(self, to_ranks: list[int]) -> None:
+        """keep_state()'s copy to the joining ranks `to_ranks`, over the new world's group."""
+        for rank in to_ranks:
+            send_state(self._kept, rank)
+
+    def receive_kept(self, from_rank: int, description: dict) -> None:
+        """A joining rank: the copy of the live peer that holds the same part (send_kept there)."""
+        self._kept = receive_state(description, from_rank)
+
+    def restore_kept(self) -> None:
+        """After set-up in the new layout: the state keep_state() copied (or receive_kept took),
+        back in place."""
+        load_host_state(self._kept, self.step_runner, self.engine, self.scheduler)
         self._kept = None
 
     def _mesh_objects(self) -> list:
