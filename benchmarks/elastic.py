@@ -7,9 +7,11 @@ node can host both ranks, so restarts are at full size. Then raymp's checkpoint 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -23,6 +25,7 @@ KILL_AFTER, EVERY, STEPS = 6, 4, 14
 # one rank per node, so one survives with its state (grow_back off: the row is the recovery alone)
 SURVIVORS = {"keep_survivors": True, "grow_back": False}
 
+STOPPED = "raymp, rank 0 stopped (SIGSTOP), shipped defaults"
 RAYMP_MODES = {  # row -> (elastic section, worker nodes, CPUs per node, a replacement node added at the loss)
     # both ranks on one 3-CPU node
     "raymp restart": ({"keep_survivors": False}, 2, 3, True),
@@ -38,6 +41,9 @@ RAYMP_MODES = {  # row -> (elastic section, worker nodes, CPUs per node, a repla
     # the next step runs at dp=2 again
     "raymp keep_survivors + warm spare, no replacement node": (
         {"keep_survivors": True, "grow_back": True, "spares": 1}, 3, 2, False),
+    # no node lost: rank 0's process is stopped, the elastic section left at its defaults (the
+    # automatic step deadline: elastic.hang_factor x the slowest step, at least elastic.hang_floor_s)
+    STOPPED: ({}, 2, 3, False),
 }
 
 
@@ -56,9 +62,15 @@ def _raymp_recovery(cluster, root: str, rep: int, row: str) -> dict:
     thread.start()
     while len(trainer.history) < KILL_AFTER:
         time.sleep(0.01)
-    victim_id = trainer.group.nodes[0]["node_id"]
-    killed = _remove(cluster, victim_id, replacement)
+    if row == STOPPED:
+        stopped, killed = trainer.group.nodes[0]["pid"], time.time()
+        os.kill(stopped, signal.SIGSTOP)
+    else:
+        killed = _remove(cluster, trainer.group.nodes[0]["node_id"], replacement)
     thread.join()
+    if row == STOPPED:
+        with contextlib.suppress(ProcessLookupError):  # the restart let the actor go; it may remain
+            os.kill(stopped, signal.SIGKILL)
     event, last = trainer.restarts[0], trainer.restarts[-1]  # a spare's join is a second event
     after = min(m["finished_at"] for m in trainer.history if m["finished_at"] > killed)
     source = event["checkpoint"]
@@ -225,7 +237,9 @@ def measure(opts) -> dict:
             "the node of rank 0 is removed and rank 1 goes on alone with its state in memory (grow_back off, "
             "so the row is the recovery alone); its second row adds no replacement node. raymp keep_survivors + "
             "warm spare: the same on three 2-CPU nodes, the third holding a spare actor (`elastic.spares: 1`) "
-            "that joins from rank 1's memory, so the next step runs at dp=2; no replacement node. Ray Train: "
+            "that joins from rank 1's memory, so the next step runs at dp=2; no replacement node. raymp, rank 0 "
+            "stopped: the restart's cluster, no node lost: rank 0's process is stopped (SIGSTOP) when step "
+            f"{KILL_AFTER} is done, with the elastic section at its defaults. Ray Train: "
             "`FailureConfig(max_failures=1)`, the loop resumes "
             f"from `ray.train.get_checkpoint()` (rank 0 saves a torch state dict). {opts.reps} runs each, "
             "alternating."
@@ -266,7 +280,10 @@ def measure(opts) -> dict:
             "\"node lost -> next step\" is the time from `remove_node` to the first training step completed "
             "after it; \"resumed\" is when training state was restored (raymp: its restart done; Ray Train: "
             "the loop's checkpoint load done; with a warm spare: its join done). keep_survivors' next step runs "
-            "at dp=1 on one actor, with a warm spare at dp=2.",
+            "at dp=1 on one actor, with a warm spare at dp=2. In the stopped-rank row \"node lost\" is the "
+            "SIGSTOP; nothing tells raymp the rank is gone, so the step waits out the automatic step deadline "
+            "(`elastic.hang_factor` x the slowest step so far, at least `elastic.hang_floor_s`, 60 s by default), "
+            "then restarts.",
             "The replacement node (3 CPUs) starts on the same two cores as the run: its raylet and the idle "
             "workers Ray starts on it compete with the recovery, which a real cluster's new machine would not. "
             "keep_survivors does not need it (grow_back off), so its second row leaves it out: that row is "
