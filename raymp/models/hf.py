@@ -139,7 +139,7 @@ def moe_fields(cfg) -> dict:
         raise HFModelError(f"{cfg.model_type}: dense MLP layers {sorted(dense)} between MoE ones are not "
                            "supported (raymp plans leading dense layers only); set mlp_only_layers=[] and "
                            "decoder_sparse_step=1 in the config")
-    return dict(n_experts=getattr(cfg, "num_local_experts", None) or cfg.num_experts,
+    return dict(n_experts=getattr(cfg, experts_key(cfg)),
                 top_k=cfg.num_experts_per_tok, expert_ffn_dim=expert,
                 n_shared_experts=round(shared / expert),
                 score="sigmoid" if cfg.model_type == "deepseek_v3" else "softmax",
