@@ -103,7 +103,8 @@ class Launcher:
         at `position` (default: the first step); streams started. `kept`: the group's ranks
         kept their state in memory (Worker.keep_state): given that back, at `position`, with no
         storage read. `joined`: its ranks that just started -> the survivor whose copy each
-        takes (the same part of the model in another replica), sent through Ray's object store."""
+        takes (the same part of the model in another replica), sent over the new process group
+        (restore_survivors)."""
         feed = self.feed
         vocab = feed.data.vocab_size
         # The layout against the tokenizer's real vocabulary (config validation may not have known it).

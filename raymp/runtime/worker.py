@@ -85,9 +85,9 @@ class Worker(CheckpointCalls):
     def prepare_to_join(self) -> dict:
         """A warm spare's preparation (raymp.runtime.spares): what a rank's first data stream and
         set-up import, imported now, while the run trains: Ray Data (half a second to a second of
-        a join, docs/design.md), and torch._dynamo, which torch imports the first time a module
-        is initialised on the meta device (0.56 s of a first set-up, idle). No dataset is run
-        here: its first run pins Ray Data's cluster-wide actors to this node
+        a join, docs/design.md), and torch's dynamo compiler, which torch imports the first time
+        a module is initialised on the meta device (0.56 s of a first set-up, idle). No dataset
+        is run here: its first run pins Ray Data's cluster-wide actors to this node
         (place_ray_data_services_here) and asks for CPUs the ranks hold. Returns node_info()."""
         ordered_context()
         with torch.device("meta"):
