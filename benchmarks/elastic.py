@@ -206,8 +206,8 @@ def measure(opts) -> dict:
                 str(rs[0]["dp_after"]),
                 f"{gap:.1e}",
                 (
-                    ""
-                    if name == "Ray Train"
+                    ""  # the peer itself; a stopped rank is another fault than the peer's node loss
+                    if name in ("Ray Train", STOPPED)
                     else f"{ratio:.2f}x ({'raymp faster' if ratio > 1 else 'raymp slower'})"
                 ),
             ]
