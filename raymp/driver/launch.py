@@ -159,16 +159,16 @@ class Launcher:
 
 def restore_survivors(group: ActorGroup, joined: dict[int, int], timeout_s: float) -> None:
     """Every rank's kept state back in place; a joined rank first receives its source's copy,
-    sent by the source over the new process group before it restores its own (an actor runs
-    its calls in order; raymp.runtime.transfer)."""
+    which the source sends over the new process group before it restores its own
+    (Worker.restore_kept, raymp.runtime.transfer). One call per rank, in rank order, so a
+    failure names the rank it happened on."""
     takers: dict[int, list[int]] = {}
     for rank, source in joined.items():
         takers.setdefault(source, []).append(rank)
     described = {source: group.workers[source].describe_kept.remote() for source in takers}
-    calls = [group.workers[source].send_kept.remote(ranks) for source, ranks in takers.items()]
-    calls += [group.workers[rank].receive_kept.remote(source, described[source])
-              for rank, source in joined.items()]
-    group.collect(calls + [w.restore_kept.remote() for w in group.workers], timeout_s, SETUP_KNOB)
+    group.collect([w.restore_kept.remote(tuple(takers.get(rank, ())), joined.get(rank),
+                                         described.get(joined.get(rank)))
+                   for rank, w in enumerate(group.workers)], timeout_s, SETUP_KNOB)
 
 
 def num_params(cfg: RunConfig, vocab_size: int) -> int:

@@ -162,18 +162,22 @@ class Worker(CheckpointCalls):
         keep_state()'s copy (raymp.runtime.transfer)."""
         return describe(self._kept)
 
-    def send_kept(self, to_ranks: list[int]) -> None:
-        """keep_state()'s copy to the joining ranks `to_ranks`, over the new world's group."""
-        for rank in to_ranks:
-            send_state(self._kept, rank)
-
-    def receive_kept(self, from_rank: int, description: dict) -> None:
-        """A joining rank: the copy of the live peer that holds the same part (send_kept there)."""
-        self._kept = receive_state(description, from_rank)
-
-    def restore_kept(self) -> None:
-        """After set-up in the new layout: the state keep_state() copied (or receive_kept took),
-        back in place."""
+    def restore_kept(self, send_to: tuple[int, ...] = (), receive_from: int | None = None,
+                     description: dict | None = None) -> None:
+        """After set-up in the new layout: the state keep_state() copied, back in place. First,
+        over the new world's group: a survivor sends its copy to the joining ranks `send_to`
+        (each takes its place in another replica); a joining rank receives the copy of the live
+        rank `receive_from` (`description`: that rank's describe_kept())."""
+        for rank in send_to:
+            try:
+                send_state(self._kept, rank)
+            except Exception as error:
+                if not is_peer_loss(error):
+                    raise
+                # The joining rank went away: its own call says so (a join that failed), and this
+                # rank goes on as a survivor with the state it holds.
+        if receive_from is not None:
+            self._kept = receive_state(description, receive_from)
         load_host_state(self._kept, self.step_runner, self.engine, self.scheduler)
         self._kept = None
 

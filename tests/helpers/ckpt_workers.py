@@ -220,3 +220,19 @@ class DiesJoiningOnceWorker(Worker):
             os._exit(1)
         self._set_up_before = True
         return super().setup(cfg, *args, **kwargs)
+
+
+class DiesReceivingOnceWorker(Worker):
+    """A rank started to join a running group ends its process as its state is about to come
+    (restore_kept with a rank to receive from) once <output_dir>/die-joining exists, once: the
+    survivor sending it the state is then inside its send."""
+
+    def setup(self, cfg, *args, **kwargs):
+        self._marker = os.path.join(cfg.output_dir, "die-joining")
+        return super().setup(cfg, *args, **kwargs)
+
+    def restore_kept(self, send_to=(), receive_from=None, description=None):
+        if receive_from is not None and os.path.exists(self._marker):
+            os.remove(self._marker)
+            os._exit(1)
+        return super().restore_kept(send_to, receive_from, description)

@@ -188,16 +188,18 @@ def test_spares_the_cluster_has_no_room_for_are_said_and_the_run_goes_on(data_ca
 
 
 @pytest.mark.timeout(300)
-def test_a_join_that_fails_leaves_the_survivors_training_and_is_tried_again(ref, data_cache, tmp_path):
+@pytest.mark.parametrize("dies", ["in its set-up", "receiving the state"])
+def test_a_join_that_fails_leaves_the_survivors_training_and_is_tried_again(dies, ref, data_cache, tmp_path):
     """dp2: rank 1 is killed, rank 0 goes on alone; the rank started to join in its place dies in
-    its set-up. Rank 0 keeps the state it held (not the model it was rebuilding for the join), goes
-    on, and the join is tried again at the next step and succeeds: no checkpoint read, no step
-    redone, every step like one process."""
-    from helpers.ckpt_workers import DiesJoiningOnceWorker
+    its set-up, or while rank 0 sends it the state. Rank 0 keeps the state it held (not the model
+    it was rebuilding for the join), goes on, and the join is tried again at the next step and
+    succeeds: no checkpoint read, no step redone, every step like one process."""
+    from helpers.ckpt_workers import DiesJoiningOnceWorker, DiesReceivingOnceWorker
 
     cfg = matrix_cfg(tmp_path, data_cache, parallel={"zero": 0, "micro_batch_size": 1},
                      elastic={"keep_survivors": True})
-    with Trainer(cfg, progress=False, worker_cls=DiesJoiningOnceWorker) as trainer:
+    worker_cls = DiesJoiningOnceWorker if dies == "in its set-up" else DiesReceivingOnceWorker
+    with Trainer(cfg, progress=False, worker_cls=worker_cls) as trainer:
         trainer.setup()
         pids = [n["pid"] for n in trainer.group.nodes]
         (Path(trainer.config.output_dir) / "die-joining").touch()  # for the first rank that joins
