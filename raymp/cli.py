@@ -389,14 +389,13 @@ def _compared_layout(text: str):
 
 
 def _timeline(cfg, args) -> int:
-    from raymp.config import ConfigError, config_from_dict, resolved_dict
+    from raymp.config import ConfigError, derived
     from raymp.trainer import Trainer
 
     if cfg.parallel.pp == 1:
         raise ConfigError("raymp timeline draws a pipeline: set parallel.pp > 1 (e.g. --set parallel.pp=2)")
     # A short look, not a run to keep: no MLflow run, and no more steps than asked for.
-    cfg = config_from_dict(resolved_dict(cfg), [f"train.steps={max(args.steps, cfg.train.steps)}",
-                                               "tracking.enabled=false"])
+    cfg = derived(cfg, {"train.steps": max(args.steps, cfg.train.steps), "tracking.enabled": False})
     with Trainer(cfg, progress=False) as trainer:
         for _ in range(args.steps):
             metrics = trainer.step()

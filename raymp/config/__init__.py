@@ -7,6 +7,7 @@ milliseconds with the field's dotted name and the fix, instead of minutes later 
 from raymp.config.loading import (
                                   apply_overrides,
                                   config_from_dict,
+                                  derived,
                                   flatten,
                                   load_config,
                                   parse_override,
@@ -45,6 +46,7 @@ __all__ = [
     "TrainingConfig",
     "apply_overrides",
     "config_from_dict",
+    "derived",
     "flatten",
     "load_config",
     "parse_override",

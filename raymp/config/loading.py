@@ -105,6 +105,25 @@ def config_from_dict(data: dict, overrides: list[str] | None = None, source: str
         raise ConfigError(f"invalid config ({source}):\n  parallel: {err}") from None
 
 
+def derived(cfg: RunConfig, changes: dict[str, Any], source: str = "derived config") -> RunConfig:
+    """`cfg` with `changes` ({"parallel.dp": 2, ...}, dotted keys) applied: the one way raymp
+    itself changes a config it has loaded (elastic re-planning, the pipeline's stage split, a
+    short look). Validated once by every rule; nothing is read or planned again, since `cfg`
+    was resolved when it was loaded (its model's shape read, `parallel: auto` decided), so a
+    re-plan never probes the user's model. ConfigError if a rule refuses the change."""
+    data = cfg.model_dump(mode="json")
+    for key, value in changes.items():
+        *sections, field = key.split(".")
+        node = data
+        for section in sections:
+            node = node[section]
+        node[field] = value
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+
+
 def with_model_shape(model: dict) -> dict:
     """A `model` section with the shape fields of the Hugging Face model or factory module it
     names read off the model; other sections as they are (a preset fills them in the schema)."""

@@ -11,7 +11,7 @@ from pathlib import Path
 from raymp import layout_rules
 from raymp.checkpoint.restore import SETUP_KNOB, restore_newest_intact
 from raymp.checkpoint.store import Checkpoint
-from raymp.config import ConfigError, RunConfig, config_from_dict, load_config
+from raymp.config import ConfigError, RunConfig, config_from_dict, derived, load_config
 from raymp.config.rules import vocab_too_small
 from raymp.data import DataPosition
 from raymp.driver.feed import DataFeed
@@ -45,9 +45,7 @@ def with_stage_split(cfg: RunConfig, vocab_size: int) -> RunConfig:
     if cfg.model.factory is not None:  # a factory module's layer count is its own
         args = dataclasses.replace(args, n_layers=model_shape(cfg.model, vocab_size).n_layers)
     split = [list(stage) for stage in balance_stages(args, cfg.parallel.num_stages)]
-    # Every layer once, in order, one run of layers per stage: valid by construction, so the
-    # config validated at load is not validated again for it.
-    return cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"stage_layers": split})})
+    return derived(cfg, {"parallel.stage_layers": split}, "the pipeline's stage split")
 
 
 @dataclass

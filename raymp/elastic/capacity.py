@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import ray
 
-from raymp.config import RunConfig, config_from_dict, resolved_dict
+from raymp.config import RunConfig, derived
 from raymp.config.rules import layout_problems, survivors_keep_state
 
 
@@ -80,7 +80,7 @@ def _largest_valid(cfg: RunConfig, limit: int, build, settings) -> int | None:
 def with_dp(cfg: RunConfig, dp: int) -> RunConfig:
     """The run re-planned to `dp` replicas (Layout.settings_at_dp)."""
     settings = cfg.parallel.layout.settings_at_dp(dp)
-    return config_from_dict(resolved_dict(cfg), [f"parallel.{k}={v}" for k, v in settings.items()])
+    return derived(cfg, {f"parallel.{k}": v for k, v in settings.items()}, f"re-planned to dp={dp}")
 
 
 def with_replicas(cfg: RunConfig, replicas: int) -> RunConfig:
@@ -89,13 +89,12 @@ def with_replicas(cfg: RunConfig, replicas: int) -> RunConfig:
     get here). Where the survivors of a next loss would hold no state to go on from (one copy under
     ZeRO without peer copies: config.rules.survivors_keep_state), a keep_survivors set to true goes
     back to unset, which is off for that layout and on again once replicas join."""
-    keeping = cfg.parallel.layout.settings_keeping(replicas)
-    overrides = [f"parallel.{k}={v}" for k, v in keeping.items()]
+    changes = {f"parallel.{k}": v for k, v in cfg.parallel.layout.settings_keeping(replicas).items()}
     if cfg.elastic.keep_survivors and not survivors_keep_state(
         cfg.parallel.layout, replicas, cfg.elastic.peer_copy_every
     ):
-        overrides.append("elastic.keep_survivors=null")
-    return config_from_dict(resolved_dict(cfg), overrides)
+        changes["elastic.keep_survivors"] = None
+    return derived(cfg, changes, f"re-planned to {replicas} copies of the state")
 
 
 def wait_for_replicas(cfg: RunConfig, target_dp: int, device: str, reserve_node: str | None,

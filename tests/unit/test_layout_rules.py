@@ -181,27 +181,41 @@ def test_hsdp_layout_shards_inside_replica_groups():
     assert Layout.from_record(lay.record()) == lay
 
 
-def test_the_drivers_stage_split_is_not_a_second_validation(monkeypatch):
-    """Issue 20: the driver validated the whole config again to add the stage split it chose."""
-    from raymp.config import RunConfig
+def test_configs_raymp_derives_are_validated_once_without_reading_the_model_again(monkeypatch):
+    """Issue 41: one way to derive a config (config.derived). The driver's stage split and an
+    elastic re-plan are validated by every rule, once, and never read the user's model again (a
+    Hugging Face config, or a factory built on the meta device, was read when the run loaded)."""
+    from raymp.config import RunConfig, derived
+    from raymp.config import loading
     from raymp.driver.launch import with_stage_split
+    from raymp.elastic.capacity import with_dp
+    from helpers.hf_cases import LLAMA
 
     cfg = config_from_dict(
         {
-            "model": {"preset": "tiny"},
-            "parallel": {"dp": 1, "pp": 2, "micro_batch_size": 2},
+            "model": {"hf_config": LLAMA},
+            "parallel": {"dp": 2, "pp": 2, "micro_batch_size": 2},
             "train": {"global_batch_size": 8, "seq_len": 32},
         }
     )
 
-    def validated_again(*args, **kwargs):
-        raise AssertionError("validated again")
+    def read_again(model):
+        raise AssertionError("the model was read again")
 
-    monkeypatch.setattr(RunConfig, "model_validate", validated_again)
+    validations = []
+    validate = RunConfig.model_validate
+    monkeypatch.setattr(loading, "probed_shape", read_again)
+    monkeypatch.setattr(RunConfig, "model_validate",
+                        lambda data, **kw: validations.append(1) or validate(data, **kw))
     split = with_stage_split(cfg, 256)
     assert split.parallel.stage_layers == [[0, 1], [2, 3]] and cfg.parallel.stage_layers is None
-    # a split the rules accept
-    layout_rules.check(split.parallel.layout, model_shape(split.model, 256), 8, 32)
+    assert validations == [1]
+    assert with_dp(split, 1).parallel.dp == 1 and validations == [1, 1]
+    assert split.model == cfg.model  # the shape read at load, carried as it was
+    # A change the rules refuse is refused with the field and where the change came from.
+    refused = r"re-planned to dp=3\):\n  train.global_batch_size \(8\) must be divisible"
+    with pytest.raises(ConfigError, match=refused):
+        derived(cfg, {"parallel.dp": 3}, "re-planned to dp=3")
 
 
 def test_whole_replicas_are_those_every_rank_of_which_survived():
