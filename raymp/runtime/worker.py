@@ -3,7 +3,6 @@ and runs one whole training step per driver call (all micro-batches, backward, o
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import math
@@ -11,7 +10,6 @@ import os
 import socket
 import time
 import weakref
-from datetime import timedelta
 
 import numpy as np
 import ray
@@ -22,13 +20,11 @@ import torch.distributed as dist
 # peer of a rank that left it waits out the timeout; docs/design.md, traps).
 import torch.distributed.nn  # noqa: F401
 
-from raymp import torch_compat
 from raymp.checkpoint.coordinator import SaveOrder
 from raymp.checkpoint.in_memory import PeerCopyWriter
 from raymp.checkpoint.rank_state import RankCheckpointer, host_state, load_host_state
 from raymp.data.ray_context import ordered_context
 from raymp.data.stream import ReplicaStream
-from raymp.parallel.mesh import device_mesh, forget_mesh_groups
 from raymp.models.build import model_spec
 from raymp.models.moe import reset_routing
 from raymp.models.spec import clean_name as _clean
@@ -37,11 +33,12 @@ from raymp.parallel.experts import exchange_seconds, finish_expert_step
 from raymp.runtime.checkpoint_calls import CheckpointCalls
 from raymp.runtime.commit_vote import Ballot, StepRecord
 from raymp.runtime.gradients import full_gradients
-from raymp.runtime.peer_loss import GroupSockets, StepAbandon, is_peer_loss, leave_process_groups
+from raymp.runtime.membership import WorldMembership
+from raymp.runtime.peer_loss import is_peer_loss
 from raymp.runtime.process_memory import (freeze_what_is_here, peak_memory, peak_rss, reset_peak_rss,
                                           return_large_buffers_to_os)
 from raymp.runtime.report import MemorySampler, RankReport, RankSetup
-from raymp.runtime.steps import LocalStep, PipelineStep, forget_tied_groups
+from raymp.runtime.steps import LocalStep, PipelineStep
 from raymp.runtime.thread_time import own_time_s
 from raymp.runtime.transfer import describe, receive_state, send_state
 
@@ -62,13 +59,9 @@ class Worker(CheckpointCalls):
         self.stream = None
         self.checkpointer = None
         self.peer_copy = None  # a PeerCopyWriter beside the checkpointer, on its group
-        self._meshes = {}
+        self.world = WorldMembership()  # the process groups this rank formed, and leaving them
         self._kept = None  # keep_state()'s host copy, until restore_kept()
         self.last_vote: StepRecord | None = None  # the last step's commit vote (step_record)
-        self.broken = False  # a step lost a peer: no process group until rejoin()
-        self.abandon = StepAbandon()  # set by abandon_step() from the control thread
-        self.sockets = GroupSockets()  # what the groups connected, shut when this rank leaves them (gloo)
-        self.gloo_devices: list = []  # the world's gloo devices, shared by its groups (init_distributed)
         freeze_what_is_here()
 
     # -- placement and rendezvous ---------------------------------------------------------
@@ -103,40 +96,22 @@ class Worker(CheckpointCalls):
     def init_distributed(self, rank: int, world_size: int, addr: str, port: int, backend: str,
                          timeout_s: float) -> None:
         self.rank, self.world_size, self.backend = rank, world_size, backend
-        self.abandon.arm((addr, port))
         if backend == "nccl":
             self.device = torch.device("cuda", 0)  # Ray sets CUDA_VISIBLE_DEVICES per actor
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
-        self.sockets = GroupSockets(backend)  # the last world's were shut as this rank left it
-        self.gloo_devices = torch_compat.new_gloo_devices()  # this world's groups' one transport
-        with self._forming_groups():
-            # An explicit timeout: a rank whose peer died must fail, not hang forever (docs/design.md).
-            dist.init_process_group(
-                backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,
-                timeout=timedelta(seconds=timeout_s),
-            )
-            # Checkpoints get a gloo group of their own (DCP's planning collectives run in a
-            # background thread during async saves; they must not share the training's group).
-            checkpoint_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        checkpoint_group = self.world.join(rank, world_size, addr, port, backend, timeout_s)
         self.checkpointer = RankCheckpointer(rank, world_size, checkpoint_group)
         if self.peer_copy is not None:
             self.peer_copy.discard()  # written on a group that is gone
         self.peer_copy = PeerCopyWriter(self.checkpointer, timeout_s)
 
-    @contextlib.contextmanager
-    def _forming_groups(self):
-        """Where this rank makes process groups: their connections are tracked (to be shut when it
-        leaves them) and every gloo group of the world shares its devices (one polling thread)."""
-        with self.sockets.tracked(), torch_compat.gloo_groups_share(self.gloo_devices):
-            yield
-
     @ray.method(concurrency_group="control")
     def abandon_step(self, formation: tuple[str, int]) -> bool:
         """The group formed at `formation` lost a peer: drop the step running (StepAbandon).
         Runs in the control thread, beside the step."""
-        return self.abandon.request(formation)
+        return self.world.abandon.request(formation)
 
     def keep_state(self) -> int:
         """A host copy of this rank's whole training state, kept across rejoin() and set-up
@@ -153,8 +128,7 @@ class Worker(CheckpointCalls):
     ) -> None:
         """Leave the broken process group (a peer is gone) and join the survivors' new one."""
         self._drop_model()
-        self._leave_groups(self._mesh_objects())
-        self._meshes, self.broken = {}, False
+        self.world.leave(broken=False)
         self.init_distributed(rank, world_size, addr, port, backend, timeout_s)
 
     def describe_kept(self) -> dict:
@@ -181,16 +155,6 @@ class Worker(CheckpointCalls):
         load_host_state(self._kept, self.step_runner, self.engine, self.scheduler)
         self._kept = None
 
-    def _mesh_objects(self) -> list:
-        """Every DeviceMesh this rank made (each layout's meshes by role)."""
-        return [mesh for by_role in self._meshes.values() for mesh in by_role.values()]
-
-    def _mesh(self, dims):
-        key = dims.mesh_degrees
-        if key not in self._meshes:
-            self._meshes[key] = device_mesh(dims, self.device.type)
-        return self._meshes[key]
-
     # -- model set-up -----------------------------------------------------------------------
 
     def setup(self, cfg, vocab_size: int, document_eot: int | None = None, kept: bool = False) -> RankSetup:
@@ -213,15 +177,15 @@ class Worker(CheckpointCalls):
             with torch.device("meta"):
                 spec.build_meta()  # imports the model's code first: setup_peak_bytes counts memory, not code
         rss_before = reset_peak_rss()
-        with self._forming_groups():  # the mesh's groups, and a pipeline's tied-embedding groups
-            mesh = self._mesh(dims)
+        with self.world.forming():  # the mesh's groups, and a pipeline's tied-embedding groups
+            mesh = self.world.mesh(dims, self.device.type)
             if dims.pp > 1:
                 self.step_runner = PipelineStep(cfg, spec, mesh, self.coords, self.device, dims, document_eot,
                                                 kept)
             else:
                 self.step_runner = LocalStep(cfg, spec, mesh, self.coords, self.device, document_eot, kept)
         self.engine = self.step_runner.engine
-        self.step_runner.meter.on_activation = self.abandon.check
+        self.step_runner.meter.on_activation = self.world.abandon.check
         self.memory = MemorySampler(cfg.train.steps, cfg.train.memory_every)
         self.scheduler = build_scheduler(self.engine.optimizer, cfg.optimizer, cfg.train.steps)
         self.eval_tokens = []
@@ -255,7 +219,7 @@ class Worker(CheckpointCalls):
         """One optimizer step over this replica's share of global batch `step`; first-stage
         ranks pull it from their stream, the other stages get activations instead. `save`: start
         a checkpoint of the state after it (CheckpointCalls.checkpoint_after_step)."""
-        if self.broken:
+        if self.world.broken:
             raise dist.DistError("this rank left its process group after a peer was lost")
         try:
             return self._train_step(step, save)
@@ -275,15 +239,8 @@ class Worker(CheckpointCalls):
         if self.peer_copy is not None:
             self.peer_copy.discard()
         self.checkpointer = self.peer_copy = None
-        meshes, self._meshes, self.broken = self._mesh_objects(), {}, True
-        # The DDP reducer, the pipeline and the meshes hold the groups; gloo closes them on release.
-        self._drop_model()
-        self._leave_groups(meshes)
-
-    def _leave_groups(self, meshes: list) -> None:
-        forget_mesh_groups()  # first: these caches hold the groups too
-        forget_tied_groups()
-        leave_process_groups(meshes, self.sockets)
+        self._drop_model()  # the DDP reducer and the pipeline hold the groups
+        self.world.leave(broken=True)
 
     def _drop_model(self) -> None:
         """Let the model, optimizer and step runner go, their memory and any process group

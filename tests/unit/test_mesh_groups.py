@@ -45,7 +45,7 @@ def _layouts_twice(rank: int, port: int, out: str, shared: bool) -> None:
     from raymp import torch_compat
     from raymp.parallel.mesh import device_mesh
 
-    def forming():  # as Worker._forming_groups, or as torch forms groups by itself
+    def forming():  # as WorldMembership.forming, or as torch forms groups by itself
         return torch_compat.gloo_groups_share(devices) if shared else contextlib.nullcontext()
 
     devices = torch_compat.new_gloo_devices()

@@ -91,7 +91,7 @@ def _a_rank_stops_its_second_forward_then_leaves(rank: int, port: int, out: str,
 
     sockets = GroupSockets()
     devices = torch_compat.new_gloo_devices()
-    # as Worker._forming_groups (in init_distributed and setup): every group on the world's devices
+    # as WorldMembership.forming (in join and Worker.setup): every group on the world's devices
     with sockets.tracked(), torch_compat.gloo_groups_share(devices):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                                 timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
