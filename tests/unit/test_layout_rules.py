@@ -8,7 +8,6 @@ import random
 
 import pytest
 
-from raymp import layout_rules
 from raymp.config import ConfigError, ModelConfig, config_from_dict
 from raymp.config.loading import with_model_shape
 from raymp.layout import Layout
