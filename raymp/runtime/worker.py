@@ -4,7 +4,6 @@ and runs one whole training step per driver call (all micro-batches, backward, o
 from __future__ import annotations
 
 import gc
-import json
 import math
 import os
 import socket
@@ -22,7 +21,7 @@ import torch.distributed.nn  # noqa: F401
 
 from raymp.checkpoint.coordinator import SaveOrder
 from raymp.checkpoint.in_memory import PeerCopyWriter
-from raymp.checkpoint.rank_state import RankCheckpointer, host_state, load_host_state
+from raymp.checkpoint.rank_state import RankCheckpointer
 from raymp.data.ray_context import ordered_context
 from raymp.data.stream import ReplicaStream
 from raymp.models.build import model_spec
@@ -33,6 +32,7 @@ from raymp.parallel.experts import exchange_seconds, finish_expert_step
 from raymp.runtime.checkpoint_calls import CheckpointCalls
 from raymp.runtime.commit_vote import Ballot, StepRecord
 from raymp.runtime.gradients import full_gradients
+from raymp.runtime.kept_state import KeptState
 from raymp.runtime.membership import WorldMembership
 from raymp.runtime.peer_loss import is_peer_loss
 from raymp.runtime.process_memory import (freeze_what_is_here, peak_memory, peak_rss, reset_peak_rss,
@@ -40,7 +40,6 @@ from raymp.runtime.process_memory import (freeze_what_is_here, peak_memory, peak
 from raymp.runtime.report import MemorySampler, RankReport, RankSetup
 from raymp.runtime.steps import LocalStep, PipelineStep
 from raymp.runtime.thread_time import own_time_s
-from raymp.runtime.transfer import describe, receive_state, send_state
 
 
 class Worker(CheckpointCalls):
@@ -60,7 +59,7 @@ class Worker(CheckpointCalls):
         self.checkpointer = None
         self.peer_copy = None  # a PeerCopyWriter beside the checkpointer, on its group
         self.world = WorldMembership()  # the process groups this rank formed, and leaving them
-        self._kept = None  # keep_state()'s host copy, until restore_kept()
+        self.kept = KeptState()  # the state's host copy while the world is re-formed
         self.last_vote: StepRecord | None = None  # the last step's commit vote (step_record)
         freeze_what_is_here()
 
@@ -117,11 +116,7 @@ class Worker(CheckpointCalls):
         """A host copy of this rank's whole training state, kept across rejoin() and set-up
         (elastic.keep_survivors; made already if a step lost a peer). Returns the optimizer
         steps it holds, so the driver can check every survivor stopped at the same step."""
-        # A copy made already is the state until restore_kept() puts it back: a rank whose step
-        # lost a peer made it as it left the group; a join that failed left its set-up unrestored.
-        if self._kept is None:
-            self._kept = host_state(self.step_runner, self.engine, self.scheduler)
-        return json.loads(self._kept["scheduler"])["last_epoch"]
+        return self.kept.keep(self.step_runner, self.engine, self.scheduler)
 
     def rejoin(
         self, rank: int, world_size: int, addr: str, port: int, backend: str, timeout_s: float
@@ -134,7 +129,7 @@ class Worker(CheckpointCalls):
     def describe_kept(self) -> dict:
         """What a rank joining in this rank's place of another replica needs to receive
         keep_state()'s copy (raymp.runtime.transfer)."""
-        return describe(self._kept)
+        return self.kept.description()
 
     def restore_kept(self, send_to: tuple[int, ...] = (), receive_from: int | None = None,
                      description: dict | None = None) -> None:
@@ -142,18 +137,8 @@ class Worker(CheckpointCalls):
         over the new world's group: a survivor sends its copy to the joining ranks `send_to`
         (each takes its place in another replica); a joining rank receives the copy of the live
         rank `receive_from` (`description`: that rank's describe_kept())."""
-        for rank in send_to:
-            try:
-                send_state(self._kept, rank)
-            except Exception as error:
-                if not is_peer_loss(error):
-                    raise
-                # The joining rank went away: its own call says so (a join that failed), and this
-                # rank goes on as a survivor with the state it holds.
-        if receive_from is not None:
-            self._kept = receive_state(description, receive_from)
-        load_host_state(self._kept, self.step_runner, self.engine, self.scheduler)
-        self._kept = None
+        self.kept.hand_over(send_to, receive_from, description)
+        self.kept.put_back(self.step_runner, self.engine, self.scheduler)
 
     # -- model set-up -----------------------------------------------------------------------
 
@@ -173,7 +158,7 @@ class Worker(CheckpointCalls):
         self.coords = dims.coords(self.rank)
         spec = model_spec(cfg.model, vocab_size, cfg.seed)
         if not kept:  # a survivor built this model before: its code is imported (a meta build: 25 ms)
-            self._kept = None  # a state restored from elsewhere replaces any copy kept
+            self.kept.drop()  # a state restored from elsewhere replaces any copy kept
             with torch.device("meta"):
                 spec.build_meta()  # imports the model's code first: setup_peak_bytes counts memory, not code
         rss_before = reset_peak_rss()
@@ -235,7 +220,8 @@ class Worker(CheckpointCalls):
         """A peer is gone: keep a host copy of the state (the failed step never reached the
         optimizer), then drop everything that holds the process groups and shut them down, so
         no call here and no peer waiting on this rank blocks on them (raymp.runtime.peer_loss)."""
-        self._kept = host_state(self.step_runner, self.engine, self.scheduler)
+        self.kept.drop()  # this step's state (it never reached the optimizer) is the one to keep
+        self.kept.keep(self.step_runner, self.engine, self.scheduler)
         if self.peer_copy is not None:
             self.peer_copy.discard()
         self.checkpointer = self.peer_copy = None

@@ -30,3 +30,21 @@ def test_a_state_sent_and_received_is_the_same_state(monkeypatch):
     for key, value in state.items():
         if isinstance(value, torch.Tensor):
             assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+
+
+def test_a_kept_copy_is_the_state_until_it_is_put_back(monkeypatch):
+    """Worker.keep_state on a rank that holds a copy already (its step lost a peer, or a join
+    failed before the copy went back) keeps that copy: the model it would copy now is not the
+    state (a failed step's, or a set-up's without values)."""
+    from raymp.runtime import kept_state
+
+    made, loaded = [], []
+    monkeypatch.setattr(kept_state, "host_state",
+                        lambda *parts: made.append(1) or {"scheduler": '{"last_epoch": 3}', "w": torch.ones(2)})
+    monkeypatch.setattr(kept_state, "load_host_state", lambda copy, *parts: loaded.append(copy))
+    kept = kept_state.KeptState()
+    assert kept.keep(None, None, None) == 3 and kept.keep(None, None, None) == 3 and made == [1]
+    assert kept.description()["w"].shape == (2,)
+    kept.hand_over((), None, None)  # nothing to send or receive: its own copy goes back
+    kept.put_back(None, None, None)
+    assert loaded[0]["w"].sum() == 2 and kept.copy is None
