@@ -148,6 +148,46 @@ class CheckpointCoordinator:
             return None
         return self.collect(reports)
 
+    def save_now(self, group, steps_done: int, meta: dict) -> Checkpoint:
+        """Save the state after `steps_done` steps and wait for its commit; RuntimeError if it
+        was not committed."""
+        self.start(group, steps_done, meta)
+        checkpoint = self.finish(group)
+        if checkpoint is None:
+            raise RuntimeError(f"the checkpoint of step {steps_done} was not committed: {self.failed[-1][1]}")
+        return checkpoint
+
+    def commit_at_end(self, group, best_effort: bool = False) -> None:
+        """Commit the save in flight at the end of the run. A save that fails is reported
+        (self.failed, a log line) and never fails a run whose steps all finished.
+        `best_effort` (closing after an error): commit what storage holds whole, never raise."""
+        if self.pending is None:
+            return
+        if not best_effort:
+            self.finish(group)
+            return
+        step = self.pending.step
+        try:
+            self.stop(group)
+        except Exception as exc:  # closing after an error: that error is the one to show
+            self.log(f"checkpoint: the save of step {step} was not committed: {exc}")
+
+    def commit_on_stop(self, group, holding_signals) -> None:
+        """The run was stopped (Ctrl-C, SIGTERM, `ray job stop`): commit the save in flight inside
+        `holding_signals(step)` (a context in which further stop signals wait), and say what was
+        kept. A save that rode on a step whose results never came back is not kept: the run
+        stopped inside that step."""
+        if self.pending is None:
+            if (ordered := self.ordered) is not None:
+                self.log(f"stopped before step {ordered.steps_done} came back: its checkpoint, started "
+                         f"by the ranks with it, is not kept; {self.latest_text()}")
+            return
+        step = self.pending.step
+        with holding_signals(step):
+            _, committed = self.stop(group)
+        self.log(f"stopped: the checkpoint of step {step} " + ("was committed" if committed else
+                 "was still being written and is not kept") + f"; {self.latest_text()}")
+
     def stop(self, group) -> tuple[int | None, Checkpoint | None]:
         """The run is stopping (Ctrl-C, SIGTERM, `ray job stop`, which sends SIGKILL 3 s later by
         default): commit the save in flight as soon as that is safe. Once DCP's index is on

@@ -313,43 +313,17 @@ class Session:
 
     def save_now(self, steps_done: int) -> Checkpoint:
         """Save the state after `steps_done` steps and wait for its commit."""
-        self.checkpoints.start(self.group, steps_done, self.checkpoint_meta())
-        checkpoint = self.checkpoints.finish(self.group)
-        if checkpoint is None:
-            raise RuntimeError(f"the checkpoint of step {steps_done} was not committed: "
-                               f"{self.checkpoints.failed[-1][1]}")
-        return checkpoint
+        return self.checkpoints.save_now(self.group, steps_done, self.checkpoint_meta())
 
     def commit_in_flight(self, best_effort: bool = False) -> None:
-        """Commit the save in flight at the end of the run. A save that fails is reported
-        (checkpoint.failed, a log line) and never fails a run whose steps all finished.
-        `best_effort` (closing after an error): commit what storage holds whole, never raise."""
-        if self.checkpoints is None or self.checkpoints.pending is None:
-            return
-        if not best_effort:
-            self.checkpoints.finish(self.group)
-            return
-        step = self.checkpoints.pending.step
-        try:
-            self.checkpoints.stop(self.group)
-        except Exception as exc:  # closing after an error: that error is the one to show
-            self.say(f"checkpoint: the save of step {step} was not committed: {exc}")
+        """Commit the save in flight at the end of the run (CheckpointCoordinator.commit_at_end)."""
+        if self.checkpoints is not None:
+            self.checkpoints.commit_at_end(self.group, best_effort)
 
     def commit_on_stop(self) -> None:
-        """The run was stopped (Ctrl-C, SIGTERM, `ray job stop`): commit the save in flight, with
-        further stop signals held until it is done, and say what was kept. A save that rode on a
-        step whose results never came back is not kept: the run stopped inside that step."""
-        if self.checkpoints is None:
-            return
-        if self.checkpoints.pending is None:
-            if (ordered := self.checkpoints.ordered) is not None:
-                self.say(
-                    f"stopped before step {ordered.steps_done} came back: its checkpoint, started by the "
-                    f"ranks with it, is not kept; {self.checkpoints.latest_text()}"
-                )
-            return
-        step = self.checkpoints.pending.step
-        with stop_signals_held(self.say, f"committing the checkpoint of step {step}"):
-            _, committed = self.checkpoints.stop(self.group)
-        self.say(f"stopped: the checkpoint of step {step} " + ("was committed" if committed else
-                 "was still being written and is not kept") + f"; {self.checkpoints.latest_text()}")
+        """The run was stopped: commit the save in flight with further stop signals held until it
+        is done (CheckpointCoordinator.commit_on_stop)."""
+        if self.checkpoints is not None:
+            self.checkpoints.commit_on_stop(
+                self.group, lambda step: stop_signals_held(self.say, f"committing the checkpoint of step {step}")
+            )
