@@ -331,13 +331,9 @@ def _plan(args) -> int:
         print(measured)
     result = plan(margs, spec, cfg.train.global_batch_size, cfg.train.seq_len, bf16, shape=shape)
     if isinstance(own, dict):  # the config's own layout, then the plan's
-        print("This config's layout:")
         own_layout = config_from_dict({**data, "parallel": own}).parallel.layout
-        print(
-            explain(
-                margs, own_layout, spec, cfg.train.global_batch_size, cfg.train.seq_len, bf16, result, shape
-            )
-        )
+        print(explain(margs, own_layout, spec, cfg.train.global_batch_size, cfg.train.seq_len, bf16, result,
+                      shape, label="This config's layout"))
     print(format_plan(result, args.top))
     if compare is not None:
         print(

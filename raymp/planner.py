@@ -359,16 +359,17 @@ def format_plan(p: Plan, top: int = 5) -> str:
 
 
 def explain(args, layout: Layout, cluster: Cluster, global_batch: int, seq_len: int, bf16: bool,
-            result: Plan | None = None, shape: ModelShape | None = None) -> str:
+            result: Plan | None = None, shape: ModelShape | None = None,
+            label: str = "Compared layout") -> str:
     """One layout, judged: can it run, does it fit (and what would make it fit), and how it
-    compares with the plan's best."""
+    compares with the plan's best. `label` says whose layout it is (a config's own, or --compare's)."""
     problem = layout_problem(args, layout, global_batch, seq_len, cluster, shape)
     if problem:
-        return f"Compared layout {layout.text(detail=True)}: cannot run: {problem}."
+        return f"{label} {layout.text(detail=True)}: cannot run: {problem}."
     limit = usable_bytes(cluster)
     c = judge(args, layout, cluster, global_batch, seq_len, bf16)
     verdict = "fits" if c.fits else "does NOT fit"
-    lines = [f"Compared layout {layout.text(detail=True)}: {verdict} in {limit / GB:.1f} GB usable per GPU; "
+    lines = [f"{label} {layout.text(detail=True)}: {verdict} in {limit / GB:.1f} GB usable per GPU; "
              f"{breakdown(c)}; ~{c.time['tokens_per_s']:,.0f} tokens/s."]
     if not c.fits:
         fixes = []
