@@ -1,18 +1,35 @@
 """A rank's checkpoint calls: saving and loading its part on storage, and its side of a peer copy
 (elastic.peer_copy_every). A base of raymp.runtime.worker.Worker, which owns the state they act on
-(checkpointer, peer_copy, step_runner, engine, scheduler, cfg)."""
+(declared below)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import numpy as np
 import ray
 
 from raymp.checkpoint.coordinator import SaveOrder
-from raymp.checkpoint.in_memory import load_from_bytes
+from raymp.checkpoint.in_memory import PeerCopyWriter, load_from_bytes
 from raymp.checkpoint.integrity import verify_files
+from raymp.checkpoint.rank_state import RankCheckpointer
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
+
+    from raymp.parallel.zero import DataParallelEngine
+    from raymp.runtime.steps import LocalStep, PipelineStep
 
 
 class CheckpointCalls:
+    """The Ray calls that act on a rank's checkpoints. What they act on is the Worker's:"""
+
+    checkpointer: RankCheckpointer  # this world's (Worker.init_distributed)
+    peer_copy: PeerCopyWriter  # beside the checkpointer, on its group
+    step_runner: LocalStep | PipelineStep  # this set-up's (Worker.setup)
+    engine: DataParallelEngine
+    scheduler: LRScheduler
+
     def save_checkpoint(self, path: str, step: int, async_save: bool) -> dict:
         """Start writing this rank's part of step's checkpoint (see raymp.checkpoint)."""
         self.peer_copy.wait_written()
