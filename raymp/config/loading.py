@@ -71,14 +71,20 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     data = copy.deepcopy(data)
     for item in overrides:
         path, value = parse_override(item)
-        node = data
-        for k in path[:-1]:
-            child = node.setdefault(k, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"override {item!r}: {k} is a value, not a section")
-            node = child
-        node[path[-1]] = value
+        _set_at(data, path, value, f"override {item!r}")
     return data
+
+
+def _set_at(data: dict, path: list[str], value: Any, what: str) -> None:
+    """Set `value` at the dotted `path` of nested sections (made where missing); `what` names
+    the change in the ConfigError when the path runs through a value."""
+    node = data
+    for k in path[:-1]:
+        child = node.setdefault(k, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{what}: {k} is a value, not a section")
+        node = child
+    node[path[-1]] = value
 
 
 def config_from_dict(data: dict, overrides: list[str] | None = None, source: str = "<dict>") -> RunConfig:
@@ -113,11 +119,7 @@ def derived(cfg: RunConfig, changes: dict[str, Any], source: str = "derived conf
     re-plan never probes the user's model. ConfigError if a rule refuses the change."""
     data = cfg.model_dump(mode="json")
     for key, value in changes.items():
-        *sections, field = key.split(".")
-        node = data
-        for section in sections:
-            node = node[section]
-        node[field] = value
+        _set_at(data, key.split("."), value, f"{source}: {key}")
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:

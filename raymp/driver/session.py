@@ -324,6 +324,7 @@ class Session:
         """The run was stopped: commit the save in flight with further stop signals held until it
         is done (CheckpointCoordinator.commit_on_stop)."""
         if self.checkpoints is not None:
-            self.checkpoints.commit_on_stop(
-                self.group, lambda step: stop_signals_held(self.say, f"committing the checkpoint of step {step}")
-            )
+            def holding(step: int):
+                return stop_signals_held(self.say, f"committing the checkpoint of step {step}")
+
+            self.checkpoints.commit_on_stop(self.group, holding)
