@@ -132,6 +132,13 @@ class Layout:
         """How many ranks hold one whole copy of the state together (replica_of)."""
         return self.world_size // self.state_replicas
 
+    def spare_unit(self, peer_copies: bool) -> int:
+        """How many ranks warm spares (elastic.spares) come in. Where the ranks hold one copy of
+        the state and peer copies hold its parts, a TP group: a lost group's place is taken by a
+        spare group and every rank reloads the peer copy. Otherwise a whole copy of the state
+        (ranks_per_copy): spares join live and take a surviving copy from its ranks."""
+        return self.tp if peer_copies and self.state_replicas == 1 else self.ranks_per_copy
+
     def replica_of(self, rank: int) -> list[int]:
         """The ranks that hold one whole copy of the state with `rank`: contiguous, as dp (and
         dp_replicate in it) is the outermost mesh dimension."""

@@ -184,7 +184,8 @@ def _check_straggler_replacement(cfg) -> None:
 
 
 def _check_spares(cfg) -> None:
-    """A spare joins as the live join does: whole copies of the state, from survivors that kept it."""
+    """A spare takes lost ranks' places from the survivors' state in memory, or, where the ranks
+    hold one copy of the state, from the peer copies (Layout.spare_unit)."""
     e, lay = cfg.elastic, cfg.parallel.layout
     if not e.recovers or not e.grow_back:
         raise ValueError("elastic.spares take lost ranks' places when a run recovers and grows back, and "
@@ -193,11 +194,13 @@ def _check_spares(cfg) -> None:
     if not keeps_survivors(cfg):
         raise ValueError("elastic.spares join from the survivors' state in memory, but this layout's "
                          "survivors keep none (elastic.keep_survivors is off or the layout has no second "
-                         "whole copy of the state): use parallel.zero=0 or HSDP, or set elastic.spares=0")
-    if e.spares % lay.ranks_per_copy:
-        raise ValueError(f"elastic.spares ({e.spares}) must be whole copies of the state, and one copy spans "
-                         f"{lay.ranks_per_copy} ranks in this layout; set elastic.spares to a multiple of "
-                         f"{lay.ranks_per_copy}")
+                         "whole copy of the state): use parallel.zero=0, HSDP or elastic.peer_copy_every, "
+                         "or set elastic.spares=0")
+    unit = lay.spare_unit(bool(e.peer_copy_every))
+    if e.spares % unit:
+        raise ValueError(f"elastic.spares ({e.spares}) take lost ranks' places in groups of {unit} ranks in "
+                         "this layout (a whole copy of the state; with elastic.peer_copy_every and one "
+                         f"copy of the state, a TP group); set elastic.spares to a multiple of {unit}")
 
 
 def keeps_survivors(cfg) -> bool:

@@ -192,16 +192,17 @@ class Session:
         if unread:
             ended_well(unread)
 
-    def continue_on_ranks(self, ranks: list[int], config: RunConfig,
-                          kept: bool) -> tuple[Checkpoint | None, list[int]]:
-        """The run again on the live `ranks` (same processes, in order) with `config`'s layout:
-        `kept`, their state from memory (whole copies of it, elastic.with_replicas) from the step
-        that failed; else set up anew and restored like a restart (a peer copy, else the lineage).
-        Returns (what was restored, their process ids)."""
+    def continue_on_ranks(self, ranks: list[int], config: RunConfig, kept: bool,
+                          spares: int = 0) -> tuple[Checkpoint | None, list[int]]:
+        """The run again on the live `ranks` (same processes, in order) and `spares` warm spare
+        ranks after them, with `config`'s layout: `kept`, their state from memory (whole copies
+        of it, elastic.with_replicas) from the step that failed; else set up anew and restored
+        like a restart (a peer copy, else the lineage). Returns (what was restored, the process
+        ids of the ranks)."""
         r, group = self.config.resources, self.group
         self._ahead = None
         try:
-            group.shrink_to(ranks, r.collective_timeout_s, r.rendezvous_timeout_s)
+            group.shrink_to(ranks, r.collective_timeout_s, r.rendezvous_timeout_s, add=spares)
             self.config = config
             restored = self.launch(
                 self.position() if kept else self.initial_position, group, kept
@@ -215,6 +216,10 @@ class Session:
     def stop_rank(self, rank: int) -> None:
         """Stop one rank's process (a straggler replaced): the next step finds it lost."""
         self.group.kill_ranks([rank])
+
+    def ready_spares(self) -> int:
+        """Warm spare ranks ready to take lost ranks' places now (elastic.spares)."""
+        return self.group.spares.ready() if self.group is not None and self.group.spares else 0
 
     def has_room_to_join(self) -> bool:
         """Free bundles or warm spares, where ranks could join (cheap: no call to Ray)."""
@@ -280,13 +285,15 @@ class Session:
 
     def after_step(self, reports: list, steps_done: int, metrics: dict, wants_to_grow) -> bool:
         """Commit what the ranks finished writing and start the save due now. True when the
-        run should grow back now: it wants to (`wants_to_grow()`) and that save just committed."""
+        run should grow back now: steps are left, it wants to (`wants_to_grow()`) and that save
+        just committed."""
         started = self.checkpoints.after_step(self.group, [r.checkpoint for r in reports],
                                               [r.save_started for r in reports], steps_done,
                                               self.config.train.steps, self.checkpoint_meta, metrics)
         if self.launcher.peer_copies.due(steps_done) and self.checkpoints.pending is None:  # none in flight
             self.launcher.peer_copies.take(self.group, steps_done, self.position().to_dict())
-        if not (started and self.launcher.shared_group is None and wants_to_grow()):
+        steps_left = steps_done < self.config.train.steps
+        if not (started and steps_left and self.launcher.shared_group is None and wants_to_grow()):
             return False
         if (grown_from := self.checkpoints.finish(self.group)) is None:
             return False

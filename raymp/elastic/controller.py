@@ -2,7 +2,8 @@
 
     Running --a rank lost--> Recovering(failure)
     Recovering --policy: keep survivors--> KeepingSurvivors(failure) --went on--> Running
-    KeepingSurvivors --no whole copy kept, peer copies hold it--> ReloadingSurvivors(ranks, dp) --> Running
+    KeepingSurvivors --no whole copy kept, peer copies hold it--> ReloadingSurvivors(ranks, dp, spares)
+        --> Running
     KeepingSurvivors --cannot go on (why)--> Restoring(refused=why) --relaunched--> Running
     Recovering --policy: restore--> Restoring --relaunched--> Running
     Recovering --policy: give up / no intact state--> Failed(error)
@@ -54,8 +55,10 @@ class ElasticRun(Protocol):
     def commit_failed_step(self, finished: dict) -> None: ...
 
     def continue_on_ranks(
-        self, ranks: list[int], config, kept: bool
+        self, ranks: list[int], config, kept: bool, spares: int = 0
     ) -> tuple[Checkpoint | None, list[int]]: ...
+
+    def ready_spares(self) -> int: ...
 
     def joinable_replicas(self) -> int: ...
 
@@ -122,9 +125,12 @@ class ElasticController:
         return None if dp is None else self._drive(Resizing(dp))
 
     def grows_at_checkpoint(self) -> bool:
-        """Whether the run should relaunch larger from the checkpoint due now. Not while the group
-        has free bundles or warm spares: there the lost replicas come back, live (join_if_room)."""
-        return not self.run.has_room_to_join() and self.scaling.grow_to(self.run.config) is not None
+        """Whether the run should relaunch larger from the checkpoint due now. Not while replicas
+        may join live (ScalingPolicy.may_join) and the group has free bundles or warm spares:
+        there the lost replicas come back, live (join_if_room)."""
+        cfg = self.run.config
+        joins_live = self.scaling.may_join(cfg) and self.run.has_room_to_join()
+        return not joins_live and self.scaling.grow_to(cfg) is not None
 
     def join_if_room(self, now: bool) -> bool:
         """Between steps: whole replicas that fit in the group's free bundles again (a lost node
@@ -234,13 +240,15 @@ class ElasticController:
         cfg, lost = self.run.config, state.failure
         kept = self.run.keep_survivors(lost.rank if lost.kind == "died" else None)
         finished = self.run.finished_failed_step()
-        plan = self.policy.survivors(cfg, kept, self.run.global_step, set(finished))
+        plan = self.policy.survivors(cfg, kept, self.run.global_step, set(finished), self.run.ready_spares())
         if isinstance(plan, Refuse):
             self.say(f"elastic: the survivors cannot go on alone ({plan.why}); restarting from the lineage")
             return Restoring("failure", first, refused=plan.why)
         if isinstance(plan, Reload):
-            self.say(f"elastic: the survivors cannot go on with their state ({plan.why}); they reload it")
-            return ReloadingSurvivors(lost, plan.ranks, plan.dp, plan.why)
+            spares = f", with {plan.spares} warm spare rank(s) in the lost places" if plan.spares else ""
+            self.say(f"elastic: the survivors cannot go on with their state ({plan.why}); they reload it"
+                     f" from the peer copy{spares}")
+            return ReloadingSurvivors(lost, plan.ranks, plan.dp, plan.why, plan.spares)
         before = cfg.parallel.layout.record()
         if plan.took_step:  # lost after the step's commit vote: every rank took it, it is done
             self.run.commit_failed_step(finished)
@@ -254,7 +262,7 @@ class ElasticController:
     ) -> State:
         t0, before = time.monotonic(), self.run.config.parallel.layout.record()
         restored, pids = self.run.continue_on_ranks(
-            state.ranks, with_dp(self.run.config, state.dp), kept=False
+            state.ranks, with_dp(self.run.config, state.dp), kept=False, spares=state.spares
         )
         return Running(
             self._restart_event(

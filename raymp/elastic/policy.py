@@ -58,16 +58,18 @@ class RecoveryPolicy:
             return Action.KEEP_SURVIVORS
         return Action.RESTORE
 
-    def survivors(self, config, kept: dict[int, int], at: int, finished: set[int]) -> GoOn | Reload | Refuse:
+    def survivors(self, config, kept: dict[int, int], at: int, finished: set[int],
+                  spares: int = 0) -> GoOn | Reload | Refuse:
         """What the live ranks can do with what they hold (`kept`: rank -> the steps its state
-        holds; the run is at step `at`; `finished`: the ranks whose call of step `at` ended well).
+        holds; the run is at step `at`; `finished`: the ranks whose call of step `at` ended well;
+        `spares`: warm spare ranks ready to join, whole TP groups).
         They go on when whole copies of the state among them give a valid dp and all hold step
         `at`, or all took step `at` whole: a rank lost after the step's commit vote leaves every
         rank with the step applied (raymp.runtime.commit_vote), and the run counts it done
         (GoOn.took_step). A survivor that holds the step without its call having ended (a fault
         after its optimizer step) or survivors that disagree cannot go on; peer copies
-        (elastic.peer_copy_every) then let the whole TP groups among them reload it; else the run
-        restores."""
+        (elastic.peer_copy_every) then let the whole TP groups among them reload it, with spares
+        in the places of the lost ones up to the dp the run had; else the run restores."""
         layout = config.parallel.layout
         held = sorted(set(kept.values()))
         took = held == [at + 1] and set(kept) <= finished
@@ -84,9 +86,12 @@ class RecoveryPolicy:
                 f" and ranks {unfinished} did not end it" if unfinished else "")
         per = layout.world_size // layout.dp  # the ranks of one dp replica
         ranks = layout.whole_tp_groups(sorted(kept))
-        copies = config.elastic.peer_copy_every and len(ranks) >= per
-        dp = largest_valid_dp(config, len(ranks) // per) if copies else None
-        return Refuse(why) if dp is None else Reload(ranks[:dp * per], dp, why)
+        room = min(layout.dp, (len(ranks) + spares) // per)
+        dp = largest_valid_dp(config, room) if config.elastic.peer_copy_every and room else None
+        if dp is None:
+            return Refuse(why)
+        joining = max(0, dp * per - len(ranks))
+        return Reload(ranks[:dp * per - joining], dp, why, joining)
 
 
 @dataclass(frozen=True)
@@ -102,11 +107,13 @@ class GoOn:
 @dataclass(frozen=True)
 class Reload:
     """The survivors cannot keep their state (`why`), but peer copies hold every part of it:
-    `ranks` (whole TP groups) go on as `dp` replicas, reloaded in their processes."""
+    `ranks` (whole TP groups) and `spares` warm spare ranks after them go on as `dp` replicas,
+    every rank reloading the copy (the survivors in their processes)."""
 
     ranks: list[int]
     dp: int
     why: str
+    spares: int = 0
 
 
 @dataclass(frozen=True)

@@ -38,13 +38,15 @@ class KeepingSurvivors:
 
 @dataclass(frozen=True)
 class ReloadingSurvivors:
-    """No whole copy survived but peer copies hold every part: `ranks` go on as `dp` replicas,
-    set up anew in their processes and restored (`why`: why they could not keep their state)."""
+    """No whole copy survived but peer copies hold every part: `ranks` and `spares` warm spare
+    ranks after them go on as `dp` replicas, set up anew and restored (`why`: why the survivors
+    could not keep their state)."""
 
     failure: WorkerLostError
     ranks: list[int]
     dp: int
     why: str
+    spares: int = 0
     name: ClassVar[str] = "reloading survivors"
 
 

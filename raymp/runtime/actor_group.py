@@ -143,16 +143,21 @@ class ActorGroup:
             except Exception:  # already gone with its node
                 pass
 
-    def shrink_to(self, ranks: list[int], collective_timeout_s: float, rendezvous_timeout_s: float) -> None:
+    def shrink_to(self, ranks: list[int], collective_timeout_s: float, rendezvous_timeout_s: float,
+                  add: int = 0) -> None:
         """Go on with the actors of `ranks` only, in that order: the others are killed, the kept
-        ones join a new process group among themselves, keeping their processes and memory.
+        ones join a new process group, keeping their processes and memory; with `add` new
+        ranks after them (grow(): warm spares first), in the same process group.
         (The placement groups stay: a lost node's bundle waits to be re-placed by Ray, where
         grow() can start a rank again.)"""
         self.kill_ranks(r for r in range(len(self.workers)) if r not in ranks)
         self.workers = [self.workers[r] for r in ranks]
         self.placement.keep(ranks)
         self.world_size = len(ranks)
-        self._join(["rejoin"] * len(ranks), collective_timeout_s, rendezvous_timeout_s)
+        if add:
+            self.grow(add, collective_timeout_s, rendezvous_timeout_s)
+        else:
+            self._join(["rejoin"] * len(ranks), collective_timeout_s, rendezvous_timeout_s)
 
     def forget_joined(self, before: int) -> None:
         """A join that failed: the ranks it started (from `before` on) are killed and forgotten,

@@ -282,6 +282,12 @@ SCENARIOS = {
         parallel={"pp": 2, "tp": 2, "micro_batch_size": 1},
         elastic={"keep_survivors": True},
     ),
+    # One rank per 2-CPU node and a fifth node for the spare: the lost node takes rank 3 (stage 1 of
+    # replica 1), whose part of the ZeRO-1 optimizer state is only in its peer copies.
+    "node loss of a pipeline stage, dp2 x pp2 ZeRO-1, a warm spare reloads it from the peer copy": (
+        lambda p, r: node_loss(p, r, zero=1, nodes=5, rank=3,
+                               parallel={"pp": 2, "schedule": "1f1b", "micro_batch_size": 1},
+                               elastic={"keep_survivors": True, "peer_copy_every": 1, "spares": 1})),
     # Expert parallelism can not outlive its ep group (the ep ranks hold one copy of the experts
     # between them): the restart at dp1 re-plans ep to 1 and reshards the experts from storage.
     "node loss, MoE dp2 x ep2 -> dp1 x ep1, experts resharded": lambda p, r: node_loss(

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import ray
 
-from helpers.faults import COPY_TIMEOUT_S, STEPS, Reference, check_against_reference, kill_rank_after, matrix_cfg
+from helpers.faults import (COPY_TIMEOUT_S, ROOM_TIMEOUT_S, STEPS, Reference, check_against_reference,
+                           kill_rank_after, matrix_cfg, wait_until)
 from helpers.ckpt_workers import HoldsBackPeerCopyWorker
 from raymp import Trainer
 
@@ -38,23 +39,31 @@ def test_a_restart_loads_the_peer_copy_and_reads_no_checkpoint(ref, data_cache, 
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("parallel,lost,kept", [
-    ({"dp": 2, "zero": 3}, 1, [0]),
+@pytest.mark.parametrize("parallel,lost,kept,spares", [
+    ({"dp": 2, "zero": 3}, 1, [0], 0),
     # A pipeline replica broken in part: rank 3 (dp 1, stage 1) is lost, ranks 0 and 1 go on as
     # the one replica, rank 2 is let go.
-    ({"dp": 2, "pp": 2, "zero": 1, "schedule": "1f1b"}, 3, [0, 1]),
-], ids=["dp2-zero3", "dp2xpp2-zero1"])
+    ({"dp": 2, "pp": 2, "zero": 1, "schedule": "1f1b"}, 3, [0, 1], 0),
+    # The same with a warm spare: ranks 0-2 go on and the spare takes rank 3's place, dp 2 kept.
+    ({"dp": 2, "pp": 2, "zero": 1, "schedule": "1f1b"}, 3, [0, 1, 2], 1),
+], ids=["dp2-zero3", "dp2xpp2-zero1", "dp2xpp2-zero1-spare"])
 def test_survivors_without_a_whole_copy_reload_the_peer_copy_in_their_own_processes(
-        parallel, lost, kept, ref, data_cache, tmp_path):
+        parallel, lost, kept, spares, ref, data_cache, tmp_path):
     """keep_survivors where one rank alone holds part of the state: the survivors cannot go on
     with what they hold, but with a copy every step they reload the copy of the failed step's
-    start, in the same processes: nothing redone, nothing read from storage, no new actor."""
+    start, in the same processes: nothing redone, nothing read from storage; a new process only
+    where a warm spare (started before the loss) takes a lost rank's place."""
     cfg = matrix_cfg(tmp_path, data_cache, parallel={"micro_batch_size": 1, **parallel},
-                     checkpoint={"every": 100}, elastic={"peer_copy_every": 1, "keep_survivors": True})
+                     checkpoint={"every": 100},
+                     elastic={"peer_copy_every": 1, "keep_survivors": True, "spares": spares})
     with Trainer(cfg, progress=False) as trainer:
         trainer.setup()
         pids = [n["pid"] for n in trainer.group.nodes]
-        victim = trainer.group.workers[lost]
+        victim, spare_pids = trainer.group.workers[lost], []
+        if spares:
+            wait_until(lambda: trainer.group.spares.ready() == spares, "the spare started (ROOM_TIMEOUT_S)",
+                       ROOM_TIMEOUT_S)
+            spare_pids = trainer.group.spares.pids()
 
         def kill_after_step_3(name, info):  # on the training thread: the copy of step 3 is started
             if name == "step" and info["done"] == 3 and not trainer.restarts:
@@ -68,7 +77,8 @@ def test_survivors_without_a_whole_copy_reload_the_peer_copy_in_their_own_proces
         layout = trainer.config.parallel.layout
     assert event["recovery"] == "survivors reloaded" and event["checkpoint"] == "peer memory"
     assert event["resumed_step"] == event["failed_step"]
-    assert event["pids"] == [pids[r] for r in kept] and layout.dp == 1
+    assert event["pids"] == [pids[r] for r in kept] + spare_pids
+    assert layout.dp == (2 if spares else 1)
     check_against_reference(history, ref, range(STEPS))
 
 

@@ -169,6 +169,20 @@ def test_a_warm_spare_takes_the_lost_nodes_rank_with_dp_unchanged(results, refs)
     assert len(r["spare_pids"]) == 1 and r["pids_after"] == [r["pids_before"][0], r["spare_pids"][0]]
 
 
+def test_a_warm_spare_takes_a_lost_pipeline_stage_s_place_from_the_peer_copy(results, refs):
+    """dp2 x pp2 ZeRO-1, one rank per node: the node of rank 3 (stage 1 of replica 1) is lost. No
+    whole copy of the state survives (ZeRO-1 shards the optimizer state over dp), so ranks 0-2, in
+    their processes, and the spare started before the loss reload the newest peer copy: dp 2 kept,
+    nothing read from storage, at most the copy interval (one step) redone."""
+    r = finished(results, "node loss of a pipeline stage, dp2 x pp2 ZeRO-1, a warm spare reloads it from the "
+                 "peer copy", refs(parallel={"micro_batch_size": 1}))
+    (event,) = r["restarts"]
+    assert event["recovery"] == "survivors reloaded" and event["checkpoint"] == "peer memory"
+    assert event["failed_step"] - event["resumed_step"] <= 1
+    assert restart_layouts(r) == [("failure", 2, 2)] and event["layout_after"]["pp"] == 2
+    assert len(r["spare_pids"]) == 1 and r["pids_after"] == r["pids_before"][:3] + r["spare_pids"]
+
+
 def test_node_loss_restores_the_peer_copy_from_the_other_node(results, refs):
     """ZeRO-3 over two nodes: what rank 1 held is only on its node and in the peer copy on rank
     0's node. The restart (dp=1, a new layout) loads that copy: no checkpoint read from storage."""

@@ -227,7 +227,7 @@ BAD = {
     ),
     "spares not whole copies of the state": (
         {"parallel": {"dp": 2, "pp": 2, "zero": 0}, "elastic": {"spares": 1}},
-        ["elastic.spares (1)", "spans 2 ranks", "multiple of 2"],
+        ["elastic.spares (1)", "groups of 2 ranks", "multiple of 2"],
     ),
     "spares without growing back": (
         {"parallel": {"dp": 2, "zero": 0}, "elastic": {"spares": 1, "grow_back": False}},
@@ -235,7 +235,11 @@ BAD = {
     ),
     "spares without survivors": (
         {"parallel": {"dp": 2, "zero": 2}, "elastic": {"spares": 1}},
-        ["elastic.spares", "survivors", "parallel.zero=0"],
+        ["elastic.spares", "survivors", "parallel.zero=0", "elastic.peer_copy_every"],
+    ),
+    "spares of a layout with peer copies not whole TP groups": (
+        {"parallel": {"dp": 2, "tp": 2, "zero": 2}, "elastic": {"spares": 1, "peer_copy_every": 1}},
+        ["elastic.spares (1)", "groups of 2 ranks", "TP group"],
     ),
     "straggler factor not above 1": (
         {"elastic": {"straggler_factor": 0.5}},

@@ -28,9 +28,9 @@ class ScriptedRun:
     next relaunches, in order (then it succeeds); `held` is what keep_survivors reports;
     `took`: the survivors' calls of the failed step ended well (its commit vote passed)."""
 
-    def __init__(self, config, step: int = 5, relaunch_faults=(), held=None, took=False):
+    def __init__(self, config, step: int = 5, relaunch_faults=(), held=None, took=False, spares=0):
         self.config, self.group, self.global_step = config, object(), step
-        self.relaunch_faults, self.held, self.took = list(relaunch_faults), held, took
+        self.relaunch_faults, self.held, self.took, self.spares = list(relaunch_faults), held, took, spares
         self.kept: dict = {}
         self.calls: list[str] = []
         self.events: list[dict] = []
@@ -67,10 +67,14 @@ class ScriptedRun:
         self.calls.append(f"commit_failed_step({sorted(finished)})")
         self.global_step += 1
 
-    def continue_on_ranks(self, ranks, config, kept):
-        self.calls.append(f"continue_on_ranks({ranks}, kept={kept})")
+    def continue_on_ranks(self, ranks, config, kept, spares=0):
+        with_spares = f", spares={spares}" if spares else ""
+        self.calls.append(f"continue_on_ranks({ranks}, kept={kept}{with_spares})")
         self.config = config
-        return None, [100 + r for r in ranks]
+        return None, [100 + r for r in ranks] + [200 + i for i in range(spares)]
+
+    def ready_spares(self):
+        return self.spares
 
     def stop_rank(self, rank):
         self.calls.append(f"stop_rank({rank})")
@@ -320,6 +324,43 @@ def test_survivors_without_their_state_reload_it_from_peer_copies():
     ]
     assert event["recovery"] == "survivors reloaded" and run.calls[-1] == "continue_on_ranks([0], kept=False)"
     assert any("they reload it" in line for line in said)
+
+
+def test_survivors_reloading_take_ready_spares_into_the_lost_places_at_the_same_dp():
+    run = ScriptedRun(_config(keep_survivors=True, peer_copy_every=2), held=6, spares=1)
+    controller, said = _controller(run)
+    event = controller.recover(_lost(rank=1))
+    assert run.calls[-1] == "continue_on_ranks([0], kept=False, spares=1)"
+    assert event["recovery"] == "survivors reloaded" and event["pids"] == [100, 200]
+    assert run.config.parallel.dp == 2 and any("1 warm spare rank(s) in the lost places" in s for s in said)
+
+
+@pytest.mark.parametrize("spares, ranks, dp, joining", [
+    (0, [0, 1], 1, 0),  # the whole pipeline of replica 0 goes on alone; rank 2 is let go
+    (1, [0, 1, 2], 2, 1),  # a spare in rank 3's place: dp 2 again
+    (2, [0, 1, 2], 2, 1),  # never more than the dp the run had
+])
+def test_a_pipeline_replica_broken_in_part_reloads_with_spares_in_the_lost_places(spares, ranks, dp, joining):
+    """dp2 x pp2 ZeRO-1, rank 3 lost: no whole copy of the state survives (the optimizer state is
+    sharded over dp); peer copies hold every part, so the survivors and spares reload them."""
+    from raymp.elastic.policy import Reload
+
+    cfg = config_from_dict({"parallel": {"dp": 2, "pp": 2, "zero": 1, "micro_batch_size": 1},
+                            "train": {"global_batch_size": 8, "seq_len": 32},
+                            "model": {"preset": "tiny", "n_layers": 2},
+                            "elastic": {"peer_copy_every": 1, "spares": 1}})
+    policy = RecoveryPolicy(cfg.elastic, group_is_shared=False)
+    plan = policy.survivors(cfg, {0: 5, 1: 5, 2: 5}, 5, set(), spares)
+    assert plan == Reload(ranks, dp, "no whole copy of the state survived", joining)
+
+
+def test_a_run_grows_back_at_a_checkpoint_where_replicas_cannot_join_live():
+    """Free bundles or spares hold a run back from relaunching larger only where the lost
+    replicas can join live (ScalingPolicy.may_join); under ZeRO they cannot."""
+    run = ScriptedRun(_config())
+    run.config = with_dp(run.config, 1)
+    assert _controller(run, ScriptedScaling(grow_to=2, join=None))[0].grows_at_checkpoint()
+    assert not _controller(run, ScriptedScaling(grow_to=2, join=2))[0].grows_at_checkpoint()
 
 
 def test_listeners_see_every_state_and_the_scripted_paths_cover_them_all():
