@@ -15,6 +15,7 @@ import signal
 import tempfile
 import threading
 import time
+from typing import NamedTuple
 
 from benchmarks.common import global_batches, median, run_config, spread
 from raymp.runtime.simulated_cluster import SimulatedCluster
@@ -26,24 +27,43 @@ KILL_AFTER, EVERY, STEPS = 6, 4, 14
 SURVIVORS = {"keep_survivors": True, "grow_back": False}
 
 STOPPED = "raymp, rank 0 stopped (SIGSTOP), shipped defaults"
-RAYMP_MODES = {  # row -> (elastic section, worker nodes, CPUs per node, a replacement node added at the loss)
+PP_RESTART = "raymp dp2 x pp2 ZeRO-1, a stage's node lost: restart from storage"
+PP_SPARE = "raymp dp2 x pp2 ZeRO-1, a stage's node lost: survivors + warm spare reload the peer copy"
+PIPELINE = {"pp": 2, "zero": 1, "schedule": "1f1b"}  # ZeRO-1: a rank's optimizer shard is its own
+
+
+class Mode(NamedTuple):
+    elastic: dict  # the elastic section
+    nodes: int  # worker nodes
+    cpus: int  # CPUs per node
+    replacement: bool  # a replacement node added at the loss
+    parallel: dict = {}  # beside dp=2, ZeRO-0
+    lost: int = 0  # the rank whose node is lost (or process stopped)
+
+
+RAYMP_MODES = {
     # both ranks on one 3-CPU node
-    "raymp restart": ({"keep_survivors": False}, 2, 3, True),
+    "raymp restart": Mode({"keep_survivors": False}, 2, 3, True),
     # the same restart, but each rank's part of the state is also kept in the object store on the
     # other node after every step (elastic.peer_copy_every): the restart loads that, not the checkpoint
-    "raymp peer-memory restore": ({"peer_copy_every": 1, "keep_survivors": False}, 2, 3, True),
+    "raymp peer-memory restore": Mode({"peer_copy_every": 1, "keep_survivors": False}, 2, 3, True),
     # 2-CPU nodes hold one rank each
-    "raymp keep_survivors": (SURVIVORS, 2, 2, True),
+    "raymp keep_survivors": Mode(SURVIVORS, 2, 2, True),
     # the same without the replacement node: its raylet and idle workers start on this machine's two
     # cores, beside the survivor's recovery; on a real cluster they boot on another machine
-    "raymp keep_survivors, no replacement node": (SURVIVORS, 2, 2, False),
+    "raymp keep_survivors, no replacement node": Mode(SURVIVORS, 2, 2, False),
     # a third 2-CPU node holds a warm spare (elastic.spares), which joins from the survivor's memory:
     # the next step runs at dp=2 again
-    "raymp keep_survivors + warm spare, no replacement node": (
+    "raymp keep_survivors + warm spare, no replacement node": Mode(
         {"keep_survivors": True, "grow_back": True, "spares": 1}, 3, 2, False),
     # no node lost: rank 0's process is stopped, the elastic section left at its defaults (the
     # automatic step deadline: elastic.hang_factor x the slowest step, at least elastic.hang_floor_s)
-    STOPPED: ({}, 2, 3, False),
+    STOPPED: Mode({}, 2, 3, False),
+    # one rank per 2-CPU node and a fifth node (the spare's, or room for the restart at dp=2); the
+    # node of rank 3 (stage 1 of replica 1) is lost, no replacement node
+    PP_RESTART: Mode({"keep_survivors": False}, 5, 2, False, PIPELINE, lost=3),
+    PP_SPARE: Mode({"keep_survivors": True, "peer_copy_every": 1, "spares": 1}, 5, 2, False, PIPELINE,
+                   lost=3),
 }
 
 
@@ -52,21 +72,23 @@ def _raymp_recovery(cluster, root: str, rep: int, row: str) -> dict:
     from raymp.elastic.peer_copies import PEER_MEMORY
     from raymp.trainer import Trainer
 
-    elastic, _, _, replacement = RAYMP_MODES[row]
-    tag = "-".join(row.replace(",", "").split()[1:])
-    cfg = run_config(f"elastic-{tag}-{rep}", f"{root}/runs", dp=2, zero=0, steps=STEPS, cpus_per_actor=1.5,
-                     checkpoint={"every": EVERY, "dir": f"{root}/raymp-ck-{tag}-{rep}"}, elastic=elastic)
+    mode = RAYMP_MODES[row]
+    tag = "-".join(row.replace(",", "").replace(":", "").split()[1:])
+    cfg = run_config(f"elastic-{tag}-{rep}", f"{root}/runs", dp=2, steps=STEPS, cpus_per_actor=1.5,
+                     checkpoint={"every": EVERY, "dir": f"{root}/raymp-ck-{tag}-{rep}"}, elastic=mode.elastic,
+                     **{"zero": 0, **mode.parallel})
     trainer = Trainer(config_from_dict(cfg), progress=False)
     trainer.setup()
     thread = threading.Thread(target=trainer.fit, daemon=True)
     thread.start()
-    while len(trainer.history) < KILL_AFTER:
+    spares = trainer.group.spares
+    while len(trainer.history) < KILL_AFTER or (spares and spares.ready() < spares.count):
         time.sleep(0.01)
     if row == STOPPED:
-        stopped, killed = trainer.group.nodes[0]["pid"], time.time()
+        stopped, killed = trainer.group.nodes[mode.lost]["pid"], time.time()
         os.kill(stopped, signal.SIGSTOP)
     else:
-        killed = _remove(cluster, trainer.group.nodes[0]["node_id"], replacement)
+        killed = _remove(cluster, trainer.group.nodes[mode.lost]["node_id"], mode.replacement)
     thread.join()
     if row == STOPPED:
         with contextlib.suppress(ProcessLookupError):  # the restart let the actor go; it may remain
@@ -177,8 +199,8 @@ def measure(opts) -> dict:
         cfg = run_config("elastic", f"{root}/runs", dp=2, zero=0, steps=STEPS, cpus_per_actor=1.5)
         batches, vocab = global_batches(cfg)
         for rep in range(opts.reps):
-            for row, (_, nodes, cpus, _) in RAYMP_MODES.items():
-                cluster.resize(nodes, cpus)
+            for row, mode in RAYMP_MODES.items():
+                cluster.resize(mode.nodes, mode.cpus)
                 runs[row].append(_raymp_recovery(cluster, root, rep, row))
             cluster.resize(2, 3)
             runs["Ray Train"].append(_ray_train_recovery(cluster, root, rep, cfg, batches, vocab))
@@ -207,7 +229,7 @@ def measure(opts) -> dict:
                 f"{gap:.1e}",
                 (
                     ""  # the peer itself; a stopped rank is another fault than the peer's node loss
-                    if name in ("Ray Train", STOPPED)
+                    if name in ("Ray Train", STOPPED, PP_RESTART, PP_SPARE)
                     else f"{ratio:.2f}x ({'raymp faster' if ratio > 1 else 'raymp slower'})"
                 ),
             ]
@@ -239,7 +261,12 @@ def measure(opts) -> dict:
             "warm spare: the same on three 2-CPU nodes, the third holding a spare actor (`elastic.spares: 1`) "
             "that joins from rank 1's memory, so the next step runs at dp=2; no replacement node. raymp, rank 0 "
             "stopped: the restart's cluster, no node lost: rank 0's process is stopped (SIGSTOP) when step "
-            f"{KILL_AFTER} is done, with the elastic section at its defaults. Ray Train: "
+            f"{KILL_AFTER} is done, with the elastic section at its defaults. raymp dp2 x pp2 ZeRO-1: four "
+            "ranks, one per 2-CPU node, and a fifth node; the node of rank 3 (stage 1 of replica 1, whose part "
+            "of the optimizer state no other rank holds) is removed when step "
+            f"{KILL_AFTER} is done, no replacement node: restarted from storage (at dp=2, on the nodes left), or "
+            "with `elastic.peer_copy_every: 1` and `elastic.spares: 1` (the spare on the fifth node) the three "
+            "survivors and the spare reload the peer copy at dp=2. Ray Train: "
             "`FailureConfig(max_failures=1)`, the loop resumes "
             f"from `ray.train.get_checkpoint()` (rank 0 saves a torch state dict). {opts.reps} runs each, "
             "alternating."
@@ -280,7 +307,9 @@ def measure(opts) -> dict:
             "\"node lost -> next step\" is the time from `remove_node` to the first training step completed "
             "after it; \"resumed\" is when training state was restored (raymp: its restart done; Ray Train: "
             "the loop's checkpoint load done; with a warm spare: its join done). keep_survivors' next step runs "
-            "at dp=1 on one actor, with a warm spare at dp=2. In the stopped-rank row \"node lost\" is the "
+            "at dp=1 on one actor, with a warm spare at dp=2. The dp2 x pp2 rows train the same model and batch "
+            "(their loss gap is against the dp=2 DDP restart) on four ranks, so their steps take longer; they "
+            "compare with each other, not with Ray Train's DDP. In the stopped-rank row \"node lost\" is the "
             "SIGSTOP; nothing tells raymp the rank is gone, so the step waits out the automatic step deadline "
             "(`elastic.hang_factor` x the slowest step so far, at least `elastic.hang_floor_s`, 60 s by default), "
             "then restarts.",
