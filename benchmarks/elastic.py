@@ -76,7 +76,7 @@ def _raymp_recovery(cluster, root: str, rep: int, row: str) -> dict:
     tag = "-".join(row.replace(",", "").replace(":", "").split()[1:])
     cfg = run_config(f"elastic-{tag}-{rep}", f"{root}/runs", dp=2, steps=STEPS, cpus_per_actor=1.5,
                      checkpoint={"every": EVERY, "dir": f"{root}/raymp-ck-{tag}-{rep}"}, elastic=mode.elastic,
-                     **{"zero": 0, **mode.parallel})
+                     zero=mode.parallel.get("zero", 0), pp=mode.parallel.get("pp", 1), parallel=mode.parallel)
     trainer = Trainer(config_from_dict(cfg), progress=False)
     trainer.setup()
     thread = threading.Thread(target=trainer.fit, daemon=True)
