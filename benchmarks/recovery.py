@@ -120,7 +120,7 @@ def checkpoint_cost(root: str, model: str, steps: int, every: int, rounds: int) 
                 )
                 with Trainer(cfg, actor_group=group, progress=False) as t:
                     h = t.fit()
-                    blocked[name] += t.session.launcher.peer_copies.blocked_s
+                    blocked[name] += t.session.peer_copies.blocked_s
                 times[name].append((h[-1]["finished_at"] - h[1]["finished_at"]) / (len(h) - 2))
                 if k := ckpt["every"] or peer["peer_copy_every"]:
                     in_run[name].append(in_run_cost(h, k))

@@ -26,7 +26,7 @@ from raymp.data import DataPosition
 from raymp.driver.feed import DataFeed
 from raymp.driver.health import NonFinitePolicy
 from raymp.driver.stragglers import StragglerWatch
-from raymp.driver.launch import Launcher, as_config, check_vocab, num_params
+from raymp.driver.launch import Launcher, RunParts, as_config, check_vocab, num_params
 from raymp.driver.metrics import stage_events
 from raymp.driver.run_setup import check_destinations, open_lineage, removed_if_setup_fails, say_resume
 from raymp.driver.session import Session
@@ -109,26 +109,27 @@ class Trainer:
         with removed_if_setup_fails(self.run_dir):
             self.lineage = open_lineage(cfg, self.run_dir, self._warn, self._resume_position)
             say = lambda *a: self._say(*a)  # noqa: E731 (fit() moves the printing to its progress bar)
-            launcher = Launcher(self.feed, self.lineage, self.device, say, warn=self._warn,
-                                shared_group=self._shared_group, worker_cls=self._worker_cls,
-                                peer_copies=PeerCopies(cfg.elastic.peer_copy_every, cfg.resources, say))
-            launcher.on_event = lambda name, info: self.on_event(name, info) if self.on_event else None
-            self.session = Session(cfg, launcher, say, self.run_name, self.tracking)
+            parts = RunParts(self.feed, self.lineage, self.device,
+                             PeerCopies(cfg.elastic.peer_copy_every, cfg.resources, say), self._shared_group)
+            launcher = Launcher(parts, say, warn=self._warn, worker_cls=self._worker_cls,
+                                on_event=lambda name, info: self.on_event(name, info) if self.on_event else None)
+            self.session = Session(cfg, parts, launcher, say, self.run_name,
+                                   on_commit=lambda step: self.tracking.on_commit(step),
+                                   mlflow_record=lambda: self.tracking.record())
             self.elastic = ElasticController(
                 self.session, RecoveryPolicy(cfg.elastic, self._shared_group is not None),
                 ScalingPolicy(lay, self.device, self.feed.node, cfg.elastic.grow_back), say)
             self.elastic.subscribe(self._on_elastic_state)
-            self.resumed_from = resume = self.session.launch(self._resume_position)
+            self.resumed_from = resume = self.session.start(self._resume_position)
         if resume is not None:
             say_resume(resume, self.config, self._log)
         if note := warmup_note(cfg.optimizer, cfg.train.steps):
             self._log(note)
-        self.session.initial_position = self.feed.start if resume is None else None
         self.num_params = num_params(self.config, self.data.vocab_size)
         storage.write_text(storage.join(self.run_dir, "config.yaml"),
                            yaml.safe_dump(resolved_dict(self.config), sort_keys=False))
         if cfg.tracking.enabled:
-            self.tracking = self.session.tracking = RunTracking.start(
+            self.tracking = RunTracking.start(
                 self.config,
                 self.run_name,
                 self.session,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from raymp import layout_rules
+from raymp.checkpoint.lineage import Lineage
 from raymp.checkpoint.restore import SETUP_KNOB, restore_newest_intact
 from raymp.checkpoint.store import Checkpoint
 from raymp.config import ConfigError, RunConfig, config_from_dict, derived, load_config
@@ -57,18 +58,27 @@ class Launched:
     memory_estimate: list  # the planner's RankEstimate per pipeline stage
 
 
+@dataclass(frozen=True)
+class RunParts:
+    """What every launch of a run shares, made once at set-up (Trainer.setup): the Launcher
+    brings actor groups up with them, the Session steps the live group with them."""
+
+    feed: DataFeed
+    lineage: Lineage
+    device: str
+    peer_copies: PeerCopies  # elastic.peer_copy_every
+    shared_group: ActorGroup | None = None  # Trainer(actor_group=...): reused, never replaced
+
+
 class Launcher:
     """Builds (or reuses) the actor group for a layout and brings it to the run's state."""
 
-    def __init__(self, feed: DataFeed, lineage, device: str, say, *, warn=None,
-                 shared_group: ActorGroup | None = None, worker_cls: type | None = None,
-                 peer_copies: PeerCopies | None = None):
+    def __init__(self, parts: RunParts, say, *, warn=None, worker_cls: type | None = None, on_event=None):
         """`say` prints progress notes; `warn` what is said whatever the progress setting (a
-        damaged checkpoint passed over)."""
-        self.feed, self.lineage, self.device, self.say, self.warn = feed, lineage, device, say, warn or say
-        self.shared_group, self.worker_cls = shared_group, worker_cls
-        self.peer_copies = peer_copies or PeerCopies(0, None, say)  # elastic.peer_copy_every
-        self.on_event = None  # Trainer.on_event, for "placed"
+        damaged checkpoint passed over); `on_event(name, info)`: ActorGroup's ("placed")."""
+        self.feed, self.lineage, self.device = parts.feed, parts.lineage, parts.device
+        self.peer_copies, self.shared_group = parts.peer_copies, parts.shared_group
+        self.say, self.warn, self.worker_cls, self.on_event = say, warn or say, worker_cls, on_event
 
     def group_for(self, cfg: RunConfig) -> ActorGroup:
         lay, r = cfg.parallel.layout, cfg.resources

@@ -7,6 +7,7 @@ Trainer steps it."""
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from raymp.checkpoint.coordinator import CheckpointCoordinator
 from raymp.checkpoint.restore import COLLECTIVE_KNOB, restore_newest_intact
@@ -14,7 +15,7 @@ from raymp.checkpoint.store import Checkpoint
 from raymp.config import RunConfig, resolved_dict
 from raymp.driver.failed_step import ended_well, vote_record
 from raymp.driver.health import StepDeadline
-from raymp.driver.launch import Launcher
+from raymp.driver.launch import Launcher, RunParts
 from raymp.driver.metrics import peak_tflops, step_metrics, with_stand_ins
 from raymp.driver.stopping import stop_signals_held
 from raymp.elastic import with_dp, with_replicas
@@ -26,11 +27,14 @@ from raymp.version import __version__
 
 
 class Session:
-    def __init__(self, config: RunConfig, launcher: Launcher, say, run_name: str, tracking):
-        """`tracking`: the run's tracking hooks (a commit makes steps final; a checkpoint records
-        the MLflow run)."""
+    def __init__(self, config: RunConfig, parts: RunParts, launcher: Launcher, say, run_name: str,
+                 on_commit: Callable[[int], None], mlflow_record: Callable[[], dict | None]):
+        """`on_commit(step)`: a commit made the steps before `step` final (tracking publishes
+        them); `mlflow_record()`: the MLflow run a checkpoint records, if tracked."""
         self.config, self.launcher, self.say, self.run_name = config, launcher, say, run_name
-        self.tracking = tracking
+        self.feed, self.lineage, self.device = parts.feed, parts.lineage, parts.device
+        self.peer_copies, self.shared_group = parts.peer_copies, parts.shared_group
+        self._on_commit, self._mlflow_record = on_commit, mlflow_record
         self.group: ActorGroup | None = None
         self.checkpoints: CheckpointCoordinator | None = None
         self.setup_info: list[RankSetup] = []  # per rank: coords, stages, parameters, set-up memory
@@ -48,6 +52,14 @@ class Session:
         self.queued_early: list[int] = []  # steps queued before the previous one's results were read
         self.deadline = StepDeadline(config.elastic)  # how long a step may take before a rank counts as hung
 
+    def start(self, position) -> Checkpoint | None:
+        """The run's first launch: at the lineage's newest intact state, else at `position` (a
+        resume position, or None: the first step). A restart that finds no checkpoint later
+        starts again where this launch did (initial_position)."""
+        restored = self.launch(position)
+        self.initial_position = self.feed.start if restored is None else None
+        return restored
+
     def launch(self, position, group: ActorGroup | None = None, kept: bool = False,
                joined: dict | None = None) -> Checkpoint | None:
         """The actors for self.config's layout, brought to the newest intact state (or to
@@ -56,17 +68,17 @@ class Session:
         self.deadline.new_launch()
         launched = self.launcher.launch(self.config, position, group, kept, joined)
         self.group, self.config = launched.group, launched.config
-        self.global_step = self.launcher.feed.start.step
+        self.global_step = self.feed.start.step
         self.setup_info, self.memory_estimate = launched.setup_info, launched.memory_estimate
         self._step_constants = self._per_step_constants()
         c = self.config.checkpoint
         self.checkpoints = CheckpointCoordinator(
-            self.launcher.lineage,
+            self.lineage,
             c.every,
             c.async_save,
             self.say,
             c.write_timeout_s,
-            on_commit=lambda step: self.tracking.on_commit(step),
+            on_commit=self._on_commit,
         )
         return launched.restored
 
@@ -77,10 +89,10 @@ class Session:
         device's peak, the planner's largest per-rank estimate."""
         cfg, t = self.config, self.config.train
         flops = step_flops(
-            model_args(cfg.model, self.launcher.feed.data.vocab_size), t.global_batch_size, t.seq_len
+            model_args(cfg.model, self.feed.data.vocab_size), t.global_batch_size, t.seq_len
         )
         estimate = max(e.measured_part_bytes for e in self.memory_estimate)
-        return flops, peak_tflops(cfg, self.launcher.device), estimate
+        return flops, peak_tflops(cfg, self.device), estimate
 
     def queued(self) -> bool:
         return self._ahead is not None  # a step queued on the ranks ahead of the driver (dispatch_ahead)
@@ -97,7 +109,7 @@ class Session:
         pending = ahead if ahead is not None and ahead[0] == step else self._dispatch(step)
         _, refs, dispatched, rides = pending
         save_between = self.checkpoints.due(step + 1, cfg.train.steps) and not rides
-        if next_may_start and not (save_between or self.launcher.peer_copies.due(step + 1)):
+        if next_may_start and not (save_between or self.peer_copies.due(step + 1)):
             self._ahead = self._dispatch(step + 1)
             self.queued_early.append(step + 1)
         started = max(dispatched, self._last_collected)  # a queued step starts when the one before ends
@@ -143,7 +155,7 @@ class Session:
 
     def teardown(self) -> None:
         self._read_failed_calls()
-        if self.group is not None and self.group is not self.launcher.shared_group:
+        if self.group is not None and self.group is not self.shared_group:
             self.group.shutdown()
         self.group, self._ahead = None, None
 
@@ -274,7 +286,7 @@ class Session:
         meta = {"data_position": self.position().to_dict(),
                 "layout": self.config.parallel.layout.record(), "run_name": self.run_name,
                 "config": resolved_dict(self.config), "raymp_version": __version__}
-        mlflow = self.tracking.record()
+        mlflow = self._mlflow_record()
         return {**meta, "mlflow": mlflow} if mlflow else meta
 
     def collect_saves(self, reports: list, metrics: dict) -> None:
@@ -290,10 +302,10 @@ class Session:
         started = self.checkpoints.after_step(self.group, [r.checkpoint for r in reports],
                                               [r.save_started for r in reports], steps_done,
                                               self.config.train.steps, self.checkpoint_meta, metrics)
-        if self.launcher.peer_copies.due(steps_done) and self.checkpoints.pending is None:  # none in flight
-            self.launcher.peer_copies.take(self.group, steps_done, self.position().to_dict())
+        if self.peer_copies.due(steps_done) and self.checkpoints.pending is None:  # none in flight
+            self.peer_copies.take(self.group, steps_done, self.position().to_dict())
         steps_left = steps_done < self.config.train.steps
-        if not (started and steps_left and self.launcher.shared_group is None and wants_to_grow()):
+        if not (started and steps_left and self.shared_group is None and wants_to_grow()):
             return False
         if (grown_from := self.checkpoints.finish(self.group)) is None:
             return False
@@ -309,14 +321,14 @@ class Session:
         self.start_streams(checkpoint.data_position)
 
     def start_streams(self, position) -> None:
-        feed = self.launcher.feed
+        feed = self.feed
         feed.start_streams(self.group, self.config.parallel.layout, self.config,
                            feed.checked(position, self.config.train.steps))
         self.global_step = feed.start.step
 
     def position(self):
         """Where the run is in the data now (DataPosition): saved with a checkpoint, continued from."""
-        return self.launcher.feed.position(self.global_step)
+        return self.feed.position(self.global_step)
 
     def save_now(self, steps_done: int) -> Checkpoint:
         """Save the state after `steps_done` steps and wait for its commit."""

@@ -450,7 +450,7 @@ def _node_loss_after_a_whole_peer_copy(probe, root, cpus: int, parallel: dict, r
     run = Run(cfg_for(root, probe.cache, parallel=parallel, checkpoint={"every": 100},
                       elastic={"peer_copy_every": 2}, **sections), holds=[steps_done(3)])
     run.when_held("3 steps done")
-    copies = run.trainer.session.launcher.peer_copies
+    copies = run.trainer.session.peer_copies
 
     def whole() -> bool:
         kept = copies.kept[-1].copies if copies.kept else []

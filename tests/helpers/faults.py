@@ -162,7 +162,7 @@ def kill_rank_after(trainer, steps: int, rank: int | list[int] = 1, committed: b
         if committed and trainer.checkpoints.store.latest() is None:
             return
         if copied:
-            newest = trainer.session.launcher.peer_copies.kept[-1]
+            newest = trainer.session.peer_copies.kept[-1]
             assert newest.handed_over(COPY_TIMEOUT_S), f"the peer copy of step {newest.step} (COPY_TIMEOUT_S)"
         done.append(True)
         for worker in [trainer.group.workers[r] for r in ranks]:

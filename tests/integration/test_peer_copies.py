@@ -67,7 +67,7 @@ def test_survivors_without_a_whole_copy_reload_the_peer_copy_in_their_own_proces
 
         def kill_after_step_3(name, info):  # on the training thread: the copy of step 3 is started
             if name == "step" and info["done"] == 3 and not trainer.restarts:
-                newest = trainer.session.launcher.peer_copies.kept[-1]  # handed over beside step 4
+                newest = trainer.session.peer_copies.kept[-1]  # handed over beside step 4
                 assert newest.step == 3 and newest.handed_over(COPY_TIMEOUT_S)
                 ray.kill(victim)
 
