@@ -93,12 +93,12 @@ def _raymp_recovery(cluster, root: str, rep: int, row: str) -> dict:
     if row == STOPPED:
         with contextlib.suppress(ProcessLookupError):  # the restart let the actor go; it may remain
             os.kill(stopped, signal.SIGKILL)
-    event, last = trainer.restarts[0], trainer.restarts[-1]  # a spare's join is a second event
+    event = trainer.restarts[0]  # the recovery from the loss (a spare joins in it)
     after = min(m["finished_at"] for m in trainer.history if m["finished_at"] > killed)
     source = event["checkpoint"]
     read = _size(source) if source not in (None, PEER_MEMORY) else 0
     out = {"to_next_step_s": after - killed, "redone": event["failed_step"] - event["resumed_step"],
-           "resume_s": last["detected_at"] + last["restart_s"] - killed, "read_bytes": read,
+           "resume_s": event["detected_at"] + event["restart_s"] - killed, "read_bytes": read,
            "losses": [m["loss"] for m in trainer.history], "dp_after": trainer.config.parallel.dp,
            "state_from": "survivors' memory" if source is None else
            f"{'peer memory' if source == PEER_MEMORY else 'checkpoint'} of step {event['resumed_step']}"}

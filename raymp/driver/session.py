@@ -12,7 +12,7 @@ from typing import Callable
 from raymp.checkpoint.coordinator import CheckpointCoordinator
 from raymp.checkpoint.restore import COLLECTIVE_KNOB, restore_newest_intact
 from raymp.checkpoint.store import Checkpoint
-from raymp.config import RunConfig, resolved_dict
+from raymp.config import ConfigError, RunConfig, resolved_dict
 from raymp.driver.failed_step import ended_well, vote_record
 from raymp.driver.health import StepDeadline
 from raymp.driver.launch import Launcher, RunParts
@@ -21,7 +21,7 @@ from raymp.driver.stopping import stop_signals_held
 from raymp.elastic import with_dp, with_replicas
 from raymp.models import model_args
 from raymp.step_time import step_flops
-from raymp.runtime.actor_group import ActorGroup, WorkerLostError
+from raymp.runtime.actor_group import ActorGroup, JoinFailed, WorkerLostError
 from raymp.runtime.report import RankReport, RankSetup
 from raymp.version import __version__
 
@@ -208,22 +208,49 @@ class Session:
                           spares: int = 0) -> tuple[Checkpoint | None, list[int]]:
         """The run again on the live `ranks` (same processes, in order) and `spares` warm spare
         ranks after them, with `config`'s layout: `kept`, their state from memory (whole copies
-        of it, elastic.with_replicas) from the step that failed; else set up anew and restored
-        like a restart (a peer copy, else the lineage). Returns (what was restored, the process
-        ids of the ranks)."""
+        of it, elastic.with_replicas) from the step that failed, each spare taking the copy of the
+        rank in its place of replica 0; else set up anew and restored like a restart (a peer copy,
+        else the lineage). Returns (what was restored, the process ids of the ranks). A spare lost
+        on the way costs the kept ranks nothing: JoinFailed, the group back to them alone."""
         r, group = self.config.resources, self.group
         self._ahead = None
+        joined = None
+        if kept and spares:
+            per = config.parallel.layout.ranks_per_copy
+            joined = {rank: rank % per for rank in range(len(ranks), len(ranks) + spares)}
         try:
             group.shrink_to(ranks, r.collective_timeout_s, r.rendezvous_timeout_s, add=spares)
             self.config = config
             restored = self.launch(
-                self.position() if kept else self.initial_position, group, kept
+                self.position() if kept else self.initial_position, group, kept, joined
             )
             return restored, [n["pid"] for n in group.nodes]
-        except BaseException:
+        except Exception as error:
+            if joined and (alone := self._kept_ranks_alone(error, group, config, len(ranks))):
+                raise alone from error
             group.shutdown()  # a fault while re-forming: the restart path starts from nothing
             self.group = None
             raise
+        except BaseException:
+            group.shutdown()
+            self.group = None
+            raise
+
+    def _kept_ranks_alone(self, error: Exception, group: ActorGroup, config: RunConfig,
+                          before: int) -> JoinFailed | None:
+        """After a join that failed (`error`) with ranks from `before` on joining: if a joining
+        rank was lost and the ranks that were there make a valid layout alone, the group and the
+        config go back to them and the JoinFailed to raise is returned; else None."""
+        if not isinstance(error, WorkerLostError) or error.rank is None or error.rank < before \
+                or len(group.workers) <= before:
+            return None
+        try:
+            alone = with_replicas(config, before // config.parallel.layout.ranks_per_copy)
+        except ConfigError:
+            return None
+        group.forget_joined(before)
+        self.group, self.config = group, alone
+        return JoinFailed(f"a rank that was joining: {error}", None, error.kind, error.step)
 
     def stop_rank(self, rank: int) -> None:
         """Stop one rank's process (a straggler replaced): the next step finds it lost."""
@@ -271,8 +298,7 @@ class Session:
             self.group, self.config = group, config  # as before the join (launch let go of both)
             if isinstance(error, WorkerLostError) and error.rank is not None and error.rank >= before:
                 # a new rank: no rank of the layout the survivors go on in
-                lost = WorkerLostError(f"a rank that was joining: {error}", None, error.kind, error.step)
-                raise lost from error
+                raise JoinFailed(f"a rank that was joining: {error}", None, error.kind, error.step) from error
             raise
         except BaseException:
             group.shutdown()  # interrupted: the run stops

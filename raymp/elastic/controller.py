@@ -1,13 +1,14 @@
 """Recovery as states that carry their data, each step decided by a policy.
 
     Running --a rank lost--> Recovering(failure)
-    Recovering --policy: keep survivors--> KeepingSurvivors(failure) --went on--> Running
+    Recovering --policy: keep survivors--> KeepingSurvivors(failure) --went on (ready warm spares
+        joined from them)--> Running
     KeepingSurvivors --no whole copy kept, peer copies hold it--> ReloadingSurvivors(ranks, dp, spares)
         --> Running
     KeepingSurvivors --cannot go on (why)--> Restoring(refused=why) --relaunched--> Running
     Recovering --policy: restore--> Restoring --relaunched--> Running
     Recovering --policy: give up / no intact state--> Failed(error)
-    any recovery state --a fault while in it--> Recovering(the new failure)
+    any recovery state --a fault while in it--> Recovering(the new failure; a joining rank's: during Joining)
     Running --non-finite step, train.on_nonfinite=restore--> Restoring (rewind, same dp) --> Running
     Running --checkpoint committed, room to grow--> Resizing(dp) --relaunched--> Running
     Running --a lost node's bundles placed again, or warm spares ready--> Joining(replicas)
@@ -32,7 +33,7 @@ from raymp.elastic.policy import Action, RecoveryPolicy, Refuse, Reload, Scaling
 from raymp.elastic.states import (Failed, Joining, KeepingSurvivors, Recovering, ReloadingSurvivors, Resizing,
                                   RestartEvent, Restoring, Running, State)
 from raymp.layout import Layout, LayoutRecord
-from raymp.runtime.actor_group import PlacementError, WorkerLostError
+from raymp.runtime.actor_group import JoinFailed, PlacementError, WorkerLostError
 
 
 class ElasticRun(Protocol):
@@ -181,6 +182,8 @@ class ElasticController:
             except (WorkerLostError, PlacementError) as again:
                 if self.policy.refusal():
                     raise
+                # A rank that was joining is lost: the ranks that were there still hold their state.
+                during = Joining.name if isinstance(again, JoinFailed) else state.name
                 state = Recovering(
                     WorkerLostError(
                         f"while {state.name}: {again}",
@@ -192,7 +195,7 @@ class ElasticController:
                             else failed_step if failed_step is not None else self.run.global_step
                         ),
                     ),
-                    during=state.name,
+                    during=during,
                 )
             except (ElasticError, CheckpointError) as error:
                 state = Failed(error)
@@ -252,7 +255,11 @@ class ElasticController:
         before = cfg.parallel.layout.record()
         if plan.took_step:  # lost after the step's commit vote: every rank took it, it is done
             self.run.commit_failed_step(finished)
-        _, pids = self.run.continue_on_ranks(plan.ranks, with_replicas(cfg, plan.replicas), kept=True)
+        if plan.spares:
+            self.say(f"elastic: {plan.spares} warm spare rank(s) take the lost ranks' places, their state "
+                     "from the survivors")
+        _, pids = self.run.continue_on_ranks(plan.ranks, with_replicas(cfg, plan.replicas), kept=True,
+                                             spares=plan.spares)
         event = self._restart_event("failure", "survivors", first, in_flight, before,
                                     resumed_step=self.run.global_step, checkpoint=None, since=t0, pids=pids)
         return Running(event)

@@ -64,7 +64,8 @@ class RecoveryPolicy:
         holds; the run is at step `at`; `finished`: the ranks whose call of step `at` ended well;
         `spares`: warm spare ranks ready to join, whole TP groups).
         They go on when whole copies of the state among them give a valid dp and all hold step
-        `at`, or all took step `at` whole: a rank lost after the step's commit vote leaves every
+        `at`, or all took step `at` whole, with ready spares (whole copies of them) taking the
+        lost copies' places up to the copies the run had: a rank lost after the step's commit vote leaves every
         rank with the step applied (raymp.runtime.commit_vote), and the run counts it done
         (GoOn.took_step). A survivor that holds the step without its call having ended (a fault
         after its optimizer step) or survivors that disagree cannot go on; peer copies
@@ -74,9 +75,12 @@ class RecoveryPolicy:
         held = sorted(set(kept.values()))
         took = held == [at + 1] and set(kept) <= finished
         replicas = layout.whole_replicas(kept)
-        n = largest_valid_replicas(config, len(replicas)) if replicas and (held == [at] or took) else None
+        room = min(layout.state_replicas, len(replicas) + spares // layout.ranks_per_copy)
+        n = largest_valid_replicas(config, room) if replicas and (held == [at] or took) else None
         if n is not None:
-            return GoOn([r for ranks in replicas[:n] for r in ranks], n, took)
+            own = min(n, len(replicas))  # the copies the survivors hold; spares join as the rest
+            return GoOn([r for ranks in replicas[:own] for r in ranks], n, took,
+                        (n - own) * layout.ranks_per_copy)
         if held == [at] or took:
             why = ("no whole copy of the state survived" if not replicas else
                    f"{len(replicas)} whole copies of the state split the global batch into no valid dp")
@@ -96,12 +100,14 @@ class RecoveryPolicy:
 
 @dataclass(frozen=True)
 class GoOn:
-    """The survivors go on with the state they hold: `ranks`, `replicas` whole copies of it;
-    `took_step`: they all took the failed step, which counts as done."""
+    """The survivors go on with the state they hold: `ranks`, and `spares` warm spare ranks after
+    them that take copies of it from them, `replicas` whole copies in all; `took_step`: they all
+    took the failed step, which counts as done."""
 
     ranks: list[int]
     replicas: int
     took_step: bool = False
+    spares: int = 0
 
 
 @dataclass(frozen=True)

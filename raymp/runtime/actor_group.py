@@ -31,6 +31,12 @@ class WorkerLostError(RuntimeError):
         self.rank, self.kind, self.step = rank, kind, step
 
 
+class JoinFailed(WorkerLostError):
+    """A rank that was joining the group was lost (in the rendezvous, its set-up or while taking
+    its state): the ranks that were there still hold their state (Worker.keep_state), and the
+    group is back to them alone."""
+
+
 # The bounds' defaults are the config's (resources.*): one authority for each.
 _DEFAULT = ResourcesConfig.model_fields
 

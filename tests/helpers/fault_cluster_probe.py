@@ -428,7 +428,7 @@ def _replacement(probe, root):
 def _warm_spare(probe, root):
     """Three nodes: two ranks and a spare (elastic.spares=1). The lost rank's bundle has no room
     to be re-placed (its placement group waits, RESCHEDULING); the spare, in a placement group of
-    its own, joins from the survivor's memory before the next step."""
+    its own, joins from the survivor's memory in the survivor's recovery."""
     return node_loss(probe, root, nodes=3, parallel={"micro_batch_size": 1},
                      elastic={"keep_survivors": True, "spares": 1})
 

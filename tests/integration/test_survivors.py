@@ -141,8 +141,8 @@ def test_lost_replicas_join_back_from_live_peers(parallel, lost, ref, data_cache
 @pytest.mark.timeout(300)
 def test_a_warm_spare_takes_the_lost_ranks_place_with_dp_unchanged(ref, data_cache, tmp_path):
     """elastic.spares=1, dp2: a spare process is started beside the two ranks. Rank 1 is killed;
-    rank 0 goes on alone, and before its next step the spare (the same process, started before
-    the loss) joins as rank 1 with rank 0's state: dp 2 again, no checkpoint read, no step
+    in the same recovery rank 0 keeps its state and the spare (the same process, started before
+    the loss) joins as rank 1 with rank 0's state: dp 2 throughout, no checkpoint read, no step
     redone, every step like one process; a new spare is started in its place."""
     cfg = matrix_cfg(tmp_path, data_cache, parallel={"zero": 0, "micro_batch_size": 1},
                      elastic={"keep_survivors": True, "spares": 1})
@@ -153,13 +153,41 @@ def test_a_warm_spare_takes_the_lost_ranks_place_with_dp_unchanged(ref, data_cac
         (spare_pid,), rank0_pid = spares.pids(), trainer.group.nodes[0]["pid"]
         kill_rank_after(trainer, 3, rank=1)
         history = trainer.fit()
-        survived, joined = trainer.restarts
+        (event,) = trainer.restarts
         pids_after, dp_after = [n["pid"] for n in trainer.group.nodes], trainer.config.parallel.dp
         spares_after = len(spares.groups)
-    assert survived["recovery"] == "survivors" and joined["recovery"] == "live join"
-    assert joined["checkpoint"] is None and joined["resumed_step"] == survived["resumed_step"]
-    assert pids_after == [rank0_pid, spare_pid] and dp_after == 2
+    assert event["recovery"] == "survivors" and event["checkpoint"] is None
+    assert event["resumed_step"] == event["failed_step"] and event["layout_after"]["dp"] == 2
+    assert pids_after == event["pids"] == [rank0_pid, spare_pid] and dp_after == 2
+    assert [m["dp"] for m in history] == [2] * STEPS
     assert spares_after == 1  # started anew
+    check_against_reference(history, ref, range(STEPS))
+
+
+@pytest.mark.timeout(300)
+def test_a_spare_lost_while_taking_a_lost_ranks_place_leaves_the_survivor_training(ref, data_cache, tmp_path):
+    """elastic.spares=1, dp2: rank 1 is killed and the spare taking its place dies in its set-up.
+    Rank 0 keeps the state it held and goes on alone (the same recovery, a second attempt); the
+    spare started anew joins live when it is ready. No checkpoint read, no step redone."""
+    from helpers.ckpt_workers import DiesJoiningOnceWorker
+
+    cfg = matrix_cfg(tmp_path, data_cache, parallel={"zero": 0, "micro_batch_size": 1},
+                     elastic={"keep_survivors": True, "spares": 1})
+    with Trainer(cfg, progress=False, worker_cls=DiesJoiningOnceWorker) as trainer:
+        trainer.setup()
+        spares = trainer.group.spares
+        wait_until(lambda: spares.ready() == 1, "the spare started (ROOM_TIMEOUT_S)", ROOM_TIMEOUT_S)
+        (spare_pid,), rank0_pid = spares.pids(), trainer.group.nodes[0]["pid"]
+        (Path(trainer.config.output_dir) / "die-joining").touch()  # for the first rank that joins
+        kill_rank_after(trainer, 3, rank=1)
+        history = trainer.fit()
+        events, pids_after = trainer.restarts, [n["pid"] for n in trainer.group.nodes]
+    survived, joined_later = events[0], events[1:]
+    assert survived["recovery"] == "survivors" and survived["attempts"] == 2
+    assert survived["pids"] == [rank0_pid] and survived["layout_after"]["dp"] == 1
+    assert [e["recovery"] for e in joined_later] in ([], ["live join"])  # the new spare, once ready
+    assert pids_after[0] == rank0_pid and spare_pid not in pids_after
+    assert all(e["checkpoint"] is None for e in events) and survived["resumed_step"] == survived["failed_step"]
     check_against_reference(history, ref, range(STEPS))
 
 

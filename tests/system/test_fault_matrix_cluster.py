@@ -156,16 +156,16 @@ def test_a_replacement_on_a_spare_node_joins_from_a_live_peer(results, refs):
 
 
 def test_a_warm_spare_takes_the_lost_nodes_rank_with_dp_unchanged(results, refs):
-    """elastic.spares=1: the process started as a spare before the loss is the new rank 1, its
-    state from the survivor's memory; no checkpoint read, no step redone, dp 2 again."""
+    """elastic.spares=1: in the survivor's recovery, the process started as a spare before the
+    loss becomes the new rank 1, its state from the survivor's memory; no checkpoint read, no step
+    redone, dp 2 throughout."""
     r = finished(results,
                  "node loss with a warm spare on a third node, the spare joins from a live peer, dp2",
                  refs(parallel={"micro_batch_size": 1}))
-    survived, joined = r["restarts"]
-    assert (survived["recovery"], joined["recovery"]) == ("survivors", "live join")
-    assert survived["checkpoint"] is None and joined["checkpoint"] is None
-    assert survived["resumed_step"] == survived["failed_step"] == joined["resumed_step"]
-    assert restart_layouts(r) == [("failure", 2, 1), ("grow", 1, 2)]
+    (survived,) = r["restarts"]
+    assert survived["recovery"] == "survivors" and survived["checkpoint"] is None
+    assert survived["resumed_step"] == survived["failed_step"]
+    assert restart_layouts(r) == [("failure", 2, 2)] and [m["dp"] for m in r["history"]] == [2] * STEPS
     assert len(r["spare_pids"]) == 1 and r["pids_after"] == [r["pids_before"][0], r["spare_pids"][0]]
 
 

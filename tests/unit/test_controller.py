@@ -13,7 +13,7 @@ from raymp.elastic import states
 from raymp.elastic.controller import ElasticController
 from raymp.elastic.policy import Action, RecoveryPolicy, ScalingPolicy
 from raymp.elastic.states import Failed, Recovering, Restoring, Running
-from raymp.runtime.actor_group import WorkerLostError
+from raymp.runtime.actor_group import JoinFailed, WorkerLostError
 
 
 def _config(**elastic):
@@ -352,6 +352,46 @@ def test_a_pipeline_replica_broken_in_part_reloads_with_spares_in_the_lost_place
     policy = RecoveryPolicy(cfg.elastic, group_is_shared=False)
     plan = policy.survivors(cfg, {0: 5, 1: 5, 2: 5}, 5, set(), spares)
     assert plan == Reload(ranks, dp, "no whole copy of the state survived", joining)
+
+
+def test_survivors_going_on_take_ready_spares_into_the_lost_places_in_the_same_transition():
+    run = ScriptedRun(_config(keep_survivors=True), spares=1)
+    controller, said = _controller(run)
+    event = controller.recover(_lost(rank=1))
+    assert _phases(controller) == ["running", "recovering", "keeping survivors", "running"]
+    assert run.calls[-1] == "continue_on_ranks([0], kept=True, spares=1)"
+    assert event["recovery"] == "survivors" and event["pids"] == [100, 200] and run.config.parallel.dp == 2
+    assert any("1 warm spare rank(s) take the lost ranks' places" in line for line in said)
+
+
+def test_a_spare_lost_while_joining_leaves_the_survivors_going_on_alone():
+    """The spare dies in the transition that would have taken it (JoinFailed: the group is back
+    to the survivors, who still hold their state): a failure while joining, so the survivors go
+    on, alone this time; a new spare joins later (Joining)."""
+
+    class SpareDies(ScriptedRun):
+        def continue_on_ranks(self, ranks, config, kept, spares=0):
+            if spares:
+                self.calls.append(f"continue_on_ranks({ranks}, kept={kept}, spares={spares}): the spare died")
+                self.spares, self.config = 0, with_dp(self.config, 1)
+                raise JoinFailed("a rank that was joining: rank 1 died", None, "died", 5)
+            return super().continue_on_ranks(ranks, config, kept)
+
+        def keep_survivors(self, lost_rank):
+            if lost_rank is not None:
+                return super().keep_survivors(lost_rank)
+            self.calls.append("keep_survivors(None)")
+            self.kept = {0: self.global_step}
+            return self.kept
+
+    run = SpareDies(_config(keep_survivors=True), spares=1)
+    controller, _ = _controller(run)
+    event = controller.recover(_lost(rank=1))
+    assert _phases(controller) == ["running", "recovering", "keeping survivors", "recovering",
+                                   "keeping survivors", "running"]
+    assert run.calls[-2:] == ["keep_survivors(None)", "continue_on_ranks([0], kept=True)"]
+    assert event["recovery"] == "survivors" and event["attempts"] == 2 and run.config.parallel.dp == 1
+    assert len(controller.failures) == 2 and "teardown" not in run.calls
 
 
 def test_a_run_grows_back_at_a_checkpoint_where_replicas_cannot_join_live():
