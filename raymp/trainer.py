@@ -112,7 +112,7 @@ class Trainer:
             parts = RunParts(self.feed, self.lineage, self.device,
                              PeerCopies(cfg.elastic.peer_copy_every, cfg.resources, say), self._shared_group)
             launcher = Launcher(parts, say, warn=self._warn, worker_cls=self._worker_cls,
-                                on_event=lambda name, info: self.on_event(name, info) if self.on_event else None)
+                                on_event=self._on_group_event)
             self.session = Session(cfg, parts, launcher, say, self.run_name,
                                    on_commit=lambda step: self.tracking.on_commit(step),
                                    mlflow_record=lambda: self.tracking.record())
@@ -142,6 +142,11 @@ class Trainer:
             )
         self._ready = True
         return self
+
+    def _on_group_event(self, name: str, info: dict) -> None:
+        """The actor group's events ("placed"), passed on to the Trainer's on_event if set."""
+        if self.on_event:
+            self.on_event(name, info)
 
     def _log(self, *args) -> None:
         if self.progress_enabled:

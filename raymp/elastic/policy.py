@@ -64,10 +64,10 @@ class RecoveryPolicy:
         holds; the run is at step `at`; `finished`: the ranks whose call of step `at` ended well;
         `spares`: warm spare ranks ready to join, whole TP groups).
         They go on when whole copies of the state among them give a valid dp and all hold step
-        `at`, or all took step `at` whole, with ready spares (whole copies of them) taking the
-        lost copies' places up to the copies the run had: a rank lost after the step's commit vote leaves every
-        rank with the step applied (raymp.runtime.commit_vote), and the run counts it done
-        (GoOn.took_step). A survivor that holds the step without its call having ended (a fault
+        `at`, or all took step `at` whole (a rank lost after the step's commit vote leaves every
+        rank with the step applied, raymp.runtime.commit_vote, and the run counts it done:
+        GoOn.took_step); ready spares (whole copies of them) take the lost copies' places, up to
+        the copies the run had. A survivor that holds the step without its call having ended (a fault
         after its optimizer step) or survivors that disagree cannot go on; peer copies
         (elastic.peer_copy_every) then let the whole TP groups among them reload it, with spares
         in the places of the lost ones up to the dp the run had; else the run restores."""
