@@ -139,6 +139,11 @@ class Layout:
         (ranks_per_copy): spares join live and take a surviving copy from its ranks."""
         return self.tp if peer_copies and self.state_replicas == 1 else self.ranks_per_copy
 
+    def copy_source(self, rank: int) -> int:
+        """The rank in `rank`'s place of the first whole copy of the state: the one a rank that
+        joins in that place takes its copy from."""
+        return rank % self.ranks_per_copy
+
     def replica_of(self, rank: int) -> list[int]:
         """The ranks that hold one whole copy of the state with `rank`: contiguous, as dp (and
         dp_replicate in it) is the outermost mesh dimension."""

@@ -214,10 +214,9 @@ class Session:
         on the way costs the kept ranks nothing: JoinFailed, the group back to them alone."""
         r, group = self.config.resources, self.group
         self._ahead = None
-        joined = None
-        if kept and spares:
-            per = config.parallel.layout.ranks_per_copy
-            joined = {rank: rank % per for rank in range(len(ranks), len(ranks) + spares)}
+        lay = config.parallel.layout
+        joined = {rank: lay.copy_source(rank) for rank in range(len(ranks), len(ranks) + spares)} \
+            if kept and spares else None
         try:
             group.shrink_to(ranks, r.collective_timeout_s, r.rendezvous_timeout_s, add=spares)
             self.config = config
@@ -226,8 +225,11 @@ class Session:
             )
             return restored, [n["pid"] for n in group.nodes]
         except Exception as error:
-            if joined and (alone := self._kept_ranks_alone(error, group, config, len(ranks))):
-                raise alone from error
+            if joined and _joining_rank_lost(error, len(ranks)) and (alone := _alone(config, len(ranks))):
+                # The survivors still hold their state (Worker.keep_state): the group goes back to them.
+                group.forget_joined(len(ranks))
+                self.group, self.config = group, alone
+                raise _join_failed(error) from error
             group.shutdown()  # a fault while re-forming: the restart path starts from nothing
             self.group = None
             raise
@@ -235,22 +237,6 @@ class Session:
             group.shutdown()
             self.group = None
             raise
-
-    def _kept_ranks_alone(self, error: Exception, group: ActorGroup, config: RunConfig,
-                          before: int) -> JoinFailed | None:
-        """After a join that failed (`error`) with ranks from `before` on joining: if a joining
-        rank was lost and the ranks that were there make a valid layout alone, the group and the
-        config go back to them and the JoinFailed to raise is returned; else None."""
-        if not isinstance(error, WorkerLostError) or error.rank is None or error.rank < before \
-                or len(group.workers) <= before:
-            return None
-        try:
-            alone = with_replicas(config, before // config.parallel.layout.ranks_per_copy)
-        except ConfigError:
-            return None
-        group.forget_joined(before)
-        self.group, self.config = group, alone
-        return JoinFailed(f"a rank that was joining: {error}", None, error.kind, error.step)
 
     def stop_rank(self, rank: int) -> None:
         """Stop one rank's process (a straggler replaced): the next step finds it lost."""
@@ -289,16 +275,15 @@ class Session:
             group.grow((replicas - lay.state_replicas) * per, r.collective_timeout_s, r.rendezvous_timeout_s)
             self.config = with_replicas(self.config, replicas)
             self.launch(self.position(), group, kept=True,
-                        joined={rank: rank % per for rank in range(before, group.world_size)})
+                        joined={rank: lay.copy_source(rank) for rank in range(before, group.world_size)})
             return [n["pid"] for n in group.nodes[:before]]
         except Exception as error:
             # The ranks that were there still hold their state (Worker.keep_state): the joined ones
             # go, and the elastic policy decides as for any loss (the survivors go on, by default).
             group.forget_joined(before)
             self.group, self.config = group, config  # as before the join (launch let go of both)
-            if isinstance(error, WorkerLostError) and error.rank is not None and error.rank >= before:
-                # a new rank: no rank of the layout the survivors go on in
-                raise JoinFailed(f"a rank that was joining: {error}", None, error.kind, error.step) from error
+            if _joining_rank_lost(error, before):  # no rank of the layout the survivors go on in
+                raise _join_failed(error) from error
             raise
         except BaseException:
             group.shutdown()  # interrupted: the run stops
@@ -373,3 +358,20 @@ class Session:
                 return stop_signals_held(self.say, f"committing the checkpoint of step {step}")
 
             self.checkpoints.commit_on_stop(self.group, holding)
+
+
+def _joining_rank_lost(error: Exception, before: int) -> bool:
+    """Whether `error` is the loss of a rank that was joining the group (its ranks from `before` on)."""
+    return isinstance(error, WorkerLostError) and error.rank is not None and error.rank >= before
+
+
+def _join_failed(error: WorkerLostError) -> JoinFailed:
+    return JoinFailed(f"a rank that was joining: {error}", None, error.kind, error.step)
+
+
+def _alone(config: RunConfig, ranks: int) -> RunConfig | None:
+    """`config` with only the whole copies of the state its first `ranks` ranks hold, if valid."""
+    try:
+        return with_replicas(config, ranks // config.parallel.layout.ranks_per_copy)
+    except ConfigError:
+        return None

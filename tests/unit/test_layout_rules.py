@@ -235,6 +235,17 @@ def test_whole_replicas_are_those_every_rank_of_which_survived():
     assert Layout(dp=4, zero=3).state_replicas == 1 and Layout(dp=4).state_replicas == 4
 
 
+def test_spares_come_in_whole_copies_or_with_peer_copies_in_tp_groups_and_join_from_the_first_copy():
+    """Layout.spare_unit and copy_source: the rules elastic.spares and a joining rank ask."""
+    ddp_pp = Layout(dp=2, pp=2)  # two whole copies of two ranks
+    assert ddp_pp.spare_unit(peer_copies=False) == ddp_pp.spare_unit(peer_copies=True) == 2
+    assert [ddp_pp.copy_source(r) for r in (2, 3)] == [0, 1]
+    zero_tp = Layout(dp=2, tp=2, zero=2)  # one copy over four ranks: a lost TP group's place
+    assert zero_tp.spare_unit(peer_copies=False) == 4 and zero_tp.spare_unit(peer_copies=True) == 2
+    hsdp = Layout(dp=4, zero=3, dp_replicate=2)  # two copies of two shards each
+    assert hsdp.spare_unit(peer_copies=True) == 2 and hsdp.copy_source(3) == 1
+
+
 def test_elastic_replanning_validates_one_whole_config_not_one_per_dp_tried():
     """dp 7, 6 and 5 cannot split a global batch of 8 into whole micro-batches: the layout rules screen
     them out, and the one whole config built is dp=4's."""
