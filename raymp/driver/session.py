@@ -210,8 +210,8 @@ class Session:
         ranks after them, with `config`'s layout: `kept`, their state from memory (whole copies
         of it, elastic.with_replicas) from the step that failed, each spare taking the copy of the
         rank in its place of replica 0; else set up anew and restored like a restart (a peer copy,
-        else the lineage). Returns (what was restored, the process ids of the ranks). A spare lost
-        on the way costs the kept ranks nothing: JoinFailed, the group back to them alone."""
+        else the lineage). Returns (what was restored, the process ids of the ranks). A loss while
+        spares join costs the kept ranks nothing: JoinFailed, the group back to them alone."""
         r, group = self.config.resources, self.group
         self._ahead = None
         lay = config.parallel.layout
@@ -225,8 +225,9 @@ class Session:
             )
             return restored, [n["pid"] for n in group.nodes]
         except Exception as error:
-            if joined and _joining_rank_lost(error, len(ranks)) and (alone := _alone(config, len(ranks))):
-                # The survivors still hold their state (Worker.keep_state): the group goes back to them.
+            if joined and isinstance(error, WorkerLostError) and (alone := _alone(config, len(ranks))):
+                # A loss while spares joined: the group goes back to the survivors, who still hold
+                # their state (Worker.keep_state); the next keep_survivors finds which are alive.
                 group.forget_joined(len(ranks))
                 self.group, self.config = group, alone
                 raise _join_failed(error) from error

@@ -165,15 +165,19 @@ def test_a_warm_spare_takes_the_lost_ranks_place_with_dp_unchanged(ref, data_cac
 
 
 @pytest.mark.timeout(300)
-def test_a_spare_lost_while_taking_a_lost_ranks_place_leaves_the_survivor_training(ref, data_cache, tmp_path):
-    """elastic.spares=1, dp2: rank 1 is killed and the spare taking its place dies in its set-up.
-    Rank 0 keeps the state it held and goes on alone (the same recovery, a second attempt); the
-    spare started anew joins live when it is ready. No checkpoint read, no step redone."""
-    from helpers.ckpt_workers import DiesJoiningOnceWorker
+@pytest.mark.parametrize("dies", ["in its set-up", "receiving the state"])
+def test_a_spare_lost_while_taking_a_lost_ranks_place_leaves_the_survivor_training(
+        dies, ref, data_cache, tmp_path):
+    """elastic.spares=1, dp2: rank 1 is killed and the spare taking its place dies in its set-up,
+    or while rank 0 sends it the state. Rank 0 keeps the state it held and goes on alone (the same
+    recovery, a second attempt); the spare started anew joins live when it is ready. No checkpoint
+    read, no step redone."""
+    from helpers.ckpt_workers import DiesJoiningOnceWorker, DiesReceivingOnceWorker
 
     cfg = matrix_cfg(tmp_path, data_cache, parallel={"zero": 0, "micro_batch_size": 1},
                      elastic={"keep_survivors": True, "spares": 1})
-    with Trainer(cfg, progress=False, worker_cls=DiesJoiningOnceWorker) as trainer:
+    worker_cls = DiesJoiningOnceWorker if dies == "in its set-up" else DiesReceivingOnceWorker
+    with Trainer(cfg, progress=False, worker_cls=worker_cls) as trainer:
         trainer.setup()
         spares = trainer.group.spares
         wait_until(lambda: spares.ready() == 1, "the spare started (ROOM_TIMEOUT_S)", ROOM_TIMEOUT_S)
