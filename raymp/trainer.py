@@ -37,7 +37,8 @@ from raymp.elastic.peer_copies import PeerCopies
 from raymp.elastic.policy import RecoveryPolicy, ScalingPolicy
 from raymp.elastic.states import Running
 from raymp.progress import StepProgress
-from raymp.runtime.actor_group import ActorGroup, WorkerLostError
+from raymp.runtime.actor_group import ActorGroup
+from raymp.runtime.rank_calls import WorkerLostError
 from raymp.config.rules import compiles
 from raymp.optim import warmup_note
 from raymp.ray_connection import connect

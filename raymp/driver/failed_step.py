@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ray
 
-from raymp.runtime.actor_group import WorkerLostError
+from raymp.runtime.rank_calls import WorkerLostError
 from raymp.runtime.commit_vote import StepRecord
 from raymp.runtime.report import RankReport
 

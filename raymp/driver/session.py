@@ -21,7 +21,8 @@ from raymp.driver.stopping import stop_signals_held
 from raymp.elastic import with_dp, with_replicas
 from raymp.models import model_args
 from raymp.step_time import step_flops
-from raymp.runtime.actor_group import ActorGroup, JoinFailed, WorkerLostError
+from raymp.runtime.actor_group import ActorGroup
+from raymp.runtime.rank_calls import JoinFailed, WorkerLostError
 from raymp.runtime.report import RankReport, RankSetup
 from raymp.version import __version__
 

@@ -33,7 +33,8 @@ from raymp.elastic.policy import Action, RecoveryPolicy, Refuse, Reload, Scaling
 from raymp.elastic.states import (Failed, Joining, KeepingSurvivors, Recovering, ReloadingSurvivors, Resizing,
                                   RestartEvent, Restoring, Running, State)
 from raymp.layout import Layout, LayoutRecord
-from raymp.runtime.actor_group import JoinFailed, PlacementError, WorkerLostError
+from raymp.runtime.placement import PlacementError
+from raymp.runtime.rank_calls import JoinFailed, WorkerLostError
 
 
 class ElasticRun(Protocol):

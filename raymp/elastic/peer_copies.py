@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raymp.checkpoint.restore import COLLECTIVE_KNOB, SETUP_KNOB
 from raymp.checkpoint.store import Checkpoint
-from raymp.runtime.actor_group import WorkerLostError
+from raymp.runtime.rank_calls import WorkerLostError
 
 PEER_MEMORY = "peer memory"  # where a restart's state came from (its event's "checkpoint"), for a peer copy
 

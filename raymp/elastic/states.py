@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar, TypedDict
 
 from raymp.layout import LayoutRecord
-from raymp.runtime.actor_group import WorkerLostError
+from raymp.runtime.rank_calls import WorkerLostError
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""One Worker actor per device, joined into one torch process group; calls on every rank that
-learn at once of a lost one; a group that shrinks to its survivors and grows back.
+"""One Worker actor per device, joined into one torch process group; the same call on every
+rank (waited on as raymp.runtime.rank_calls waits); a group that shrinks to its survivors and
+grows back.
 
 Kept separate from any one training run so tests (and notebooks) can reuse the same processes
 for several configs of the same world size: actor start-up costs seconds, a re-setup does not.
@@ -7,34 +8,14 @@ for several configs of the same world size: actor start-up costs seconds, a re-s
 
 from __future__ import annotations
 
-import time
-
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raymp.config import ResourcesConfig
-from raymp.runtime.peer_loss import is_peer_loss
 from raymp.runtime.placement import Placement, PlacementError
+from raymp.runtime.rank_calls import WorkerLostError, deadline_in, first_answers, gather
 from raymp.runtime.spares import WarmSpares
 from raymp.runtime.worker import Worker
-
-
-WATCH_PERIOD_S = 1.0  # how often a starting group checks that its nodes are still there
-
-
-class WorkerLostError(RuntimeError):
-    """A rank is gone or stuck: its actor (or node) died, a collective failed because a peer
-    did, or a call ran past its time limit. `kind` is 'died', 'collective' or 'timeout'."""
-
-    def __init__(self, message: str, rank: int | None = None, kind: str = "died", step: int | None = None):
-        super().__init__(message)
-        self.rank, self.kind, self.step = rank, kind, step
-
-
-class JoinFailed(WorkerLostError):
-    """A rank that was joining the group was lost (in the rendezvous, its set-up or while taking
-    its state): the ranks that were there still hold their state (Worker.keep_state), and the
-    group is back to them alone."""
 
 
 # The bounds' defaults are the config's (resources.*): one authority for each.
@@ -91,7 +72,7 @@ class ActorGroup:
     ) -> None:
         """Form the process group of self.workers, in order: rank 0's address, then each rank's
         method (init_distributed for new actors, rejoin for survivors), then where each is."""
-        knob, deadline = "resources.rendezvous_timeout_s", _deadline(rendezvous_timeout_s)
+        knob, deadline = "resources.rendezvous_timeout_s", deadline_in(rendezvous_timeout_s)
         addr, port = self._gather([self.workers[0].rendezvous_address.remote()], deadline, knob, watch)[0]
         self.formation = (addr, port)
         self._gather(
@@ -114,25 +95,9 @@ class ActorGroup:
         fails at once and the rank is left out. Once one rank has answered, the others get
         `grace_s` more: one still inside its failed step then is waiting on a lost peer that
         gloo never told it about (raymp.runtime.peer_loss), and is let go (killed)."""
-        refs = [getattr(w, method).remote() for w in self.workers]
-        rank_of = {ref: r for r, ref in enumerate(refs)}
-        alive, pending, deadline = {}, list(refs), _deadline(timeout_s)
-        while pending:
-            left = max(0.0, deadline - time.monotonic())
-            done, pending = ray.wait(pending, num_returns=1, timeout=left)
-            if not done:
-                break
-            try:
-                alive[rank_of[done[0]]] = ray.get(done[0])
-                if len(alive) == 1:
-                    deadline = time.monotonic() + grace_s
-            except ray.exceptions.RayActorError:
-                continue
-        if not alive:
-            raise WorkerLostError(
-                f"no surviving rank ended its failed step in time ({knob})", None, "timeout"
-            )
-        self.kill_ranks(rank_of[ref] for ref in pending)
+        alive, late = first_answers([getattr(w, method).remote() for w in self.workers], timeout_s,
+                                    knob, grace_s)
+        self.kill_ranks(late)
         return alive
 
     def abandon_steps(self) -> list:
@@ -234,45 +199,15 @@ class ActorGroup:
         self, refs: list, timeout_s: float | None = None, knob: str = "elastic.step_timeout_s"
     ) -> list:
         """Results of submit()'s refs in rank order, as call() gathers them; timeout_s counts from now."""
-        return self._gather(refs, _deadline(timeout_s), knob)
+        return self._gather(refs, deadline_in(timeout_s), knob)
 
     def call_per_rank(self, method: str, args_per_rank: list[tuple], timeout_s: float | None = None,
                       knob: str = "elastic.step_timeout_s") -> list:
         return self._gather([getattr(w, method).remote(*a) for w, a in zip(self.workers, args_per_rank)],
-                            _deadline(timeout_s), knob)
+                            deadline_in(timeout_s), knob)
 
     def _gather(self, refs: list, deadline: float | None, knob: str, watch=None) -> list:
-        """Like ray.get(refs), but raises as soon as any call fails: survivors of a dead peer sit
-        in a collective until its timeout, and we must not wait for them to learn of the death.
-        `watch()`, if given, is called about once a second while waiting and may raise."""
-        rank_of = {ref: r for r, ref in enumerate(refs)}
-        pending = list(refs)
-        while pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            wait_s = left
-            if watch is not None:
-                watch()
-                wait_s = WATCH_PERIOD_S if left is None else min(WATCH_PERIOD_S, left)
-            done, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
-            if not done and wait_s != left:
-                continue  # a watch period ended, not the deadline
-            if not done:
-                late = sorted(rank_of[r] for r in pending)
-                raise WorkerLostError(
-                    f"ranks {late} did not finish in time ({knob}): a hung rank or collective, or an "
-                    "actor that never started", late[0], "timeout")
-            try:
-                ray.get(done[0])
-            except ray.exceptions.RayActorError as exc:
-                raise WorkerLostError(self._where(rank_of[done[0]]) + " died. Cause: "
-                                      + str(exc).splitlines()[0], rank_of[done[0]], "died") from exc
-            except ray.exceptions.RayTaskError as exc:
-                if not is_peer_loss(getattr(exc, "cause", None)):
-                    raise
-                raise WorkerLostError(
-                    self._where(rank_of[done[0]]) + " lost a peer in a collective: "
-                    + str(exc.cause).splitlines()[0], rank_of[done[0]], "collective") from exc
-        return ray.get(refs)
+        return gather(refs, deadline, knob, self._where, watch)
 
     def _where(self, rank: int) -> str:
         node = self.nodes[rank]["node_ip"] if rank < len(getattr(self, "nodes", [])) else "?"
@@ -300,7 +235,3 @@ class ActorGroup:
                     f"ranks {start}..{start + tp - 1} form a TP group but sit on {len(nodes)} nodes; "
                     f"create the actor group with tp_size={tp}"
                 )
-
-
-def _deadline(timeout_s: float | None) -> float | None:
-    return None if timeout_s is None else time.monotonic() + timeout_s

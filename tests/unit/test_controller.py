@@ -13,7 +13,7 @@ from raymp.elastic import states
 from raymp.elastic.controller import ElasticController
 from raymp.elastic.policy import Action, RecoveryPolicy, ScalingPolicy
 from raymp.elastic.states import Failed, Recovering, Restoring, Running
-from raymp.runtime.actor_group import JoinFailed, WorkerLostError
+from raymp.runtime.rank_calls import JoinFailed, WorkerLostError
 
 
 def _config(**elastic):
