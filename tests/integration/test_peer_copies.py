@@ -5,6 +5,8 @@ loses a node, so the copy on the other node is the one that is loaded."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import ray
 
@@ -79,6 +81,42 @@ def test_survivors_without_a_whole_copy_reload_the_peer_copy_in_their_own_proces
     assert event["resumed_step"] == event["failed_step"]
     assert event["pids"] == [pids[r] for r in kept] + spare_pids
     assert layout.dp == (2 if spares else 1)
+    check_against_reference(history, ref, range(STEPS))
+
+
+@pytest.mark.timeout(300)
+def test_a_spare_lost_in_the_survivors_reload_restarts_from_the_peer_copy(ref, data_cache, tmp_path):
+    """dp2 x pp2 ZeRO-1, elastic.spares=1: rank 3 is killed and the spare taking its place in the
+    survivors' reload dies in its set-up. The survivors hold no whole copy (they were reloading
+    it), so the second attempt restarts the run from the same peer copy: nothing read from
+    storage, no step redone, dp 2 kept, every step like one process."""
+    from helpers.ckpt_workers import DiesJoiningOnceWorker
+
+    cfg = matrix_cfg(tmp_path, data_cache,
+                     parallel={"micro_batch_size": 1, "dp": 2, "pp": 2, "zero": 1, "schedule": "1f1b"},
+                     checkpoint={"every": 100},
+                     elastic={"peer_copy_every": 1, "keep_survivors": True, "spares": 1})
+    with Trainer(cfg, progress=False, worker_cls=DiesJoiningOnceWorker) as trainer:
+        trainer.setup()
+        victim = trainer.group.workers[3]
+        wait_until(lambda: trainer.group.spares.ready() == 1, "the spare started (ROOM_TIMEOUT_S)",
+                   ROOM_TIMEOUT_S)
+
+        def kill_after_step_3(name, info):  # on the training thread: the copy of step 3 is started
+            if name == "step" and info["done"] == 3 and not trainer.restarts:
+                assert trainer.session.peer_copies.kept[-1].handed_over(COPY_TIMEOUT_S)
+                (Path(trainer.config.output_dir) / "die-joining").touch()  # for the spare's set-up
+                ray.kill(victim)
+
+        trainer.on_event = kill_after_step_3
+        history = trainer.fit()
+        (event,) = trainer.restarts
+        failures = trainer.elastic.failures
+        on_disk = [c.step for c in trainer.checkpoints.store.committed()]
+    assert event["recovery"] == "restart" and event["checkpoint"] == "peer memory"
+    assert event["attempts"] == 2 and "while reloading survivors" in failures[1]["message"]
+    assert event["resumed_step"] == event["failed_step"] and event["layout_after"]["dp"] == 2
+    assert on_disk == [STEPS]
     check_against_reference(history, ref, range(STEPS))
 
 
