@@ -5,8 +5,9 @@ Run at set-up and again after every elastic restart."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping
 
 from raymp import layout_rules
 from raymp.checkpoint.lineage import Lineage
@@ -70,6 +71,27 @@ class RunParts:
     shared_group: ActorGroup | None = None  # Trainer(actor_group=...): reused, never replaced
 
 
+@dataclass(frozen=True)
+class FromNewest:
+    """Where a launch's state comes from, at a start or a restart: the newest intact state (a
+    peer copy, else the lineage's newest intact checkpoint, saved under any layout); with none,
+    `position` (None: the first step)."""
+
+    position: DataPosition | dict | None = None
+
+
+@dataclass(frozen=True)
+class FromMemory:
+    """Where a launch's state comes from when the group's ranks kept theirs in memory
+    (Worker.keep_state): that state given back at `position`, the step it holds, with no storage
+    read and no initial value made. `joined`: ranks that just started -> the survivor whose copy
+    each takes (the same part of the model in another replica), sent over the new process group
+    (restore_survivors)."""
+
+    position: DataPosition
+    joined: Mapping[int, int] = field(default_factory=dict)
+
+
 class Launcher:
     """Builds (or reuses) the actor group for a layout and brings it to the run's state."""
 
@@ -104,15 +126,10 @@ class Launcher:
             **({"worker_cls": self.worker_cls} if self.worker_cls else {}),
         )
 
-    def launch(self, cfg: RunConfig, position: DataPosition | dict | None, group: ActorGroup | None = None,
-               kept: bool = False, joined: dict[int, int] | None = None) -> Launched:
-        """Ranks set up for `cfg` (on `group`, rejoined survivors, or new actors), restored from
-        the newest intact state (a peer copy, else the lineage's) or, if there is none, started
-        at `position` (default: the first step); streams started. `kept`: the group's ranks
-        kept their state in memory (Worker.keep_state): given that back, at `position`, with no
-        storage read. `joined`: its ranks that just started -> the survivor whose copy each
-        takes (the same part of the model in another replica), sent over the new process group
-        (restore_survivors)."""
+    def launch(self, cfg: RunConfig, start: FromNewest | FromMemory,
+               group: ActorGroup | None = None) -> Launched:
+        """Ranks set up for `cfg` (on `group`, rejoined survivors, or new actors) and brought to
+        the state `start` says (FromNewest or FromMemory); streams started."""
         feed = self.feed
         vocab = feed.data.vocab_size
         # The layout against the tokenizer's real vocabulary (config validation may not have known it).
@@ -127,35 +144,28 @@ class Launcher:
             raise ConfigError(problem)
         new_group = group is None
         group = group or self.group_for(cfg)
+        from_memory = isinstance(start, FromMemory)
 
         def set_up():
             # The validated config itself: the ranks do not validate it again.
-            return group.call(
-                "setup",
-                cfg,
-                vocab,
-                document_eot(cfg, feed.data),
-                kept,
-                timeout_s=r.setup_timeout_s,
-                knob=SETUP_KNOB,
-            )
+            return group.call("setup", cfg, vocab, document_eot(cfg, feed.data), from_memory,
+                              timeout_s=r.setup_timeout_s, knob=SETUP_KNOB)
 
         restored = None
-        if kept:
+        if from_memory:
             # The position is known: the streams start first, and Ray Data's start-up (its executor,
             # the first task) overlaps the set-up (measured: 82 ms of a survivor's 0.33 s recovery).
-            feed.start_streams(group, lay, cfg, feed.checked(position, cfg.train.steps), wait=False)
+            feed.start_streams(group, lay, cfg, feed.checked(start.position, cfg.train.steps), wait=False)
             infos = set_up()
-            restore_survivors(group, joined or {}, r.setup_timeout_s)
+            restore_survivors(group, dict(start.joined), r.setup_timeout_s)
         else:
             infos = set_up()
             on_disk = self.lineage.candidates()
             restored = (self.peer_copies.restore(group, on_disk[0].step if on_disk else None, set_up)
                         or restore_newest_intact(group, on_disk, set_up, self.warn, r.setup_timeout_s))
-            if restored is not None:
-                position = restored.data_position
-            start = feed.checked(position, cfg.train.steps) if position is not None else feed.first_position()
-            feed.start_streams(group, lay, cfg, start, wait=False)
+            position = restored.data_position if restored is not None else start.position
+            first = feed.checked(position, cfg.train.steps) if position is not None else feed.first_position()
+            feed.start_streams(group, lay, cfg, first, wait=False)
         if new_group and group.spares and (unplaced := group.spares.unplaced()):
             each = ", ".join(f"{k}={v:g}" for k, v in group.placement.bundle.items())
             self.warn(f"elastic.spares: {unplaced} of {cfg.elastic.spares} spare ranks have no room on the "

@@ -15,7 +15,7 @@ from raymp.checkpoint.store import Checkpoint
 from raymp.config import ConfigError, RunConfig, resolved_dict
 from raymp.driver.failed_step import ended_well, vote_record
 from raymp.driver.health import StepDeadline
-from raymp.driver.launch import Launcher, RunParts
+from raymp.driver.launch import FromMemory, FromNewest, Launcher, RunParts
 from raymp.driver.metrics import peak_tflops, step_metrics, with_stand_ins
 from raymp.driver.stopping import stop_signals_held
 from raymp.elastic import with_dp, with_replicas
@@ -57,17 +57,16 @@ class Session:
         """The run's first launch: at the lineage's newest intact state, else at `position` (a
         resume position, or None: the first step). A restart that finds no checkpoint later
         starts again where this launch did (initial_position)."""
-        restored = self.launch(position)
+        restored = self.launch(FromNewest(position))
         self.initial_position = self.feed.start if restored is None else None
         return restored
 
-    def launch(self, position, group: ActorGroup | None = None, kept: bool = False,
-               joined: dict | None = None) -> Checkpoint | None:
-        """The actors for self.config's layout, brought to the newest intact state (or to
-        `position` when there is none; see Launcher.launch for the rest). Returns what it restored."""
+    def launch(self, start: FromNewest | FromMemory, group: ActorGroup | None = None) -> Checkpoint | None:
+        """The actors for self.config's layout (on `group`, else new ones), brought to the state
+        `start` says (Launcher.launch). Returns what it restored from storage or a peer copy."""
         self.group, self._ahead = None, None
         self.deadline.new_launch()
-        launched = self.launcher.launch(self.config, position, group, kept, joined)
+        launched = self.launcher.launch(self.config, start, group)
         self.group, self.config = launched.group, launched.config
         self.global_step = self.feed.start.step
         self.setup_info, self.memory_estimate = launched.setup_info, launched.memory_estimate
@@ -163,7 +162,7 @@ class Session:
     def relaunch(self, dp: int) -> Checkpoint | None:
         """The run again with `dp` replicas, from the lineage's newest intact state."""
         self.config = with_dp(self.config, dp)
-        return self.launch(self.initial_position)  # the position counts only without a checkpoint
+        return self.launch(FromNewest(self.initial_position))  # counts only without a checkpoint
 
     def keep_survivors(self, lost_rank: int | None) -> dict[int, int]:
         """Every live rank drops its failed step at once (abandon_steps) and copies its state to
@@ -205,40 +204,63 @@ class Session:
         if unread:
             ended_well(unread)
 
-    def continue_on_ranks(self, ranks: list[int], config: RunConfig, kept: bool,
-                          spares: int = 0) -> tuple[Checkpoint | None, list[int]]:
+    def continue_with_kept_state(self, ranks: list[int], config: RunConfig, spares: int = 0) -> list[int]:
         """The run again on the live `ranks` (same processes, in order) and `spares` warm spare
-        ranks after them, with `config`'s layout: `kept`, their state from memory (whole copies
-        of it, elastic.with_replicas) from the step that failed, each spare taking the copy of the
-        rank in its place of replica 0; else set up anew and restored like a restart (a peer copy,
-        else the lineage). Returns (what was restored, the process ids of the ranks). A loss while
-        spares join costs the kept ranks nothing: JoinFailed, the group back to them alone."""
+        ranks after them, with `config`'s layout and the state the live ranks kept in memory
+        (whole copies of it, elastic.with_replicas), from the step it holds; each spare takes the
+        copy of the rank in its place of replica 0. No storage read. Returns the ranks' process
+        ids. A loss while spares join costs the kept ranks nothing: JoinFailed, the group back to
+        them alone."""
+        lay = config.parallel.layout
+        joined = {rank: lay.copy_source(rank) for rank in range(len(ranks), len(ranks) + spares)}
+        try:
+            self._on_ranks(ranks, config, spares, FromMemory(self.position(), joined))
+        except WorkerLostError as error:
+            if spares and (alone := _alone(config, len(ranks))):
+                # A loss while spares joined: the group goes back to the survivors, who still hold
+                # their state (Worker.keep_state); the next keep_survivors finds which are alive.
+                self.group.forget_joined(len(ranks))
+                self.config = alone
+                raise _join_failed(error) from error
+            self._shut_down()
+            raise
+        return [n["pid"] for n in self.group.nodes]
+
+    def continue_with_reloaded_state(self, ranks: list[int], config: RunConfig,
+                                     spares: int = 0) -> tuple[Checkpoint | None, list[int]]:
+        """The run again on the live `ranks` (same processes, in order) and `spares` warm spare
+        ranks after them, with `config`'s layout, set up anew and restored like a restart (a
+        peer copy, else the lineage). Returns (what was restored, the ranks' process ids)."""
+        try:
+            restored = self._on_ranks(ranks, config, spares, FromNewest(self.initial_position))
+        except WorkerLostError:
+            self._shut_down()  # a fault while re-forming: the restart path starts from nothing
+            raise
+        return restored, [n["pid"] for n in self.group.nodes]
+
+    def _on_ranks(self, ranks: list[int], config: RunConfig, spares: int,
+                  start: FromNewest | FromMemory) -> Checkpoint | None:
+        """The group shrunk to `ranks` plus `spares`, launched with `config` from `start`. On
+        any error but a lost rank (the callers' to handle) the group is shut down."""
         r, group = self.config.resources, self.group
         self._ahead = None
-        lay = config.parallel.layout
-        joined = {rank: lay.copy_source(rank) for rank in range(len(ranks), len(ranks) + spares)} \
-            if kept and spares else None
         try:
             group.shrink_to(ranks, r.collective_timeout_s, r.rendezvous_timeout_s, add=spares)
             self.config = config
-            restored = self.launch(
-                self.position() if kept else self.initial_position, group, kept, joined
-            )
-            return restored, [n["pid"] for n in group.nodes]
-        except Exception as error:
-            if joined and isinstance(error, WorkerLostError) and (alone := _alone(config, len(ranks))):
-                # A loss while spares joined: the group goes back to the survivors, who still hold
-                # their state (Worker.keep_state); the next keep_survivors finds which are alive.
-                group.forget_joined(len(ranks))
-                self.group, self.config = group, alone
-                raise _join_failed(error) from error
-            group.shutdown()  # a fault while re-forming: the restart path starts from nothing
-            self.group = None
+            restored = self.launch(start, group)
+        except WorkerLostError:
+            self.group = group  # launch let go of it
             raise
         except BaseException:
             group.shutdown()
             self.group = None
             raise
+        return restored
+
+    def _shut_down(self) -> None:
+        if self.group is not None:
+            self.group.shutdown()
+        self.group = None
 
     def stop_rank(self, rank: int) -> None:
         """Stop one rank's process (a straggler replaced): the next step finds it lost."""
@@ -276,8 +298,9 @@ class Session:
                 )
             group.grow((replicas - lay.state_replicas) * per, r.collective_timeout_s, r.rendezvous_timeout_s)
             self.config = with_replicas(self.config, replicas)
-            self.launch(self.position(), group, kept=True,
-                        joined={rank: lay.copy_source(rank) for rank in range(before, group.world_size)})
+            self.launch(FromMemory(self.position(),
+                                   {rank: lay.copy_source(rank) for rank in range(before, group.world_size)}),
+                        group)
             return [n["pid"] for n in group.nodes[:before]]
         except Exception as error:
             # The ranks that were there still hold their state (Worker.keep_state): the joined ones

@@ -56,8 +56,10 @@ class ElasticRun(Protocol):
 
     def commit_failed_step(self, finished: dict) -> None: ...
 
-    def continue_on_ranks(
-        self, ranks: list[int], config, kept: bool, spares: int = 0
+    def continue_with_kept_state(self, ranks: list[int], config, spares: int = 0) -> list[int]: ...
+
+    def continue_with_reloaded_state(
+        self, ranks: list[int], config, spares: int = 0
     ) -> tuple[Checkpoint | None, list[int]]: ...
 
     def ready_spares(self) -> int: ...
@@ -259,8 +261,7 @@ class ElasticController:
         if plan.spares:
             self.say(f"elastic: {plan.spares} warm spare rank(s) take the lost ranks' places, their state "
                      "from the survivors")
-        _, pids = self.run.continue_on_ranks(plan.ranks, with_replicas(cfg, plan.replicas), kept=True,
-                                             spares=plan.spares)
+        pids = self.run.continue_with_kept_state(plan.ranks, with_replicas(cfg, plan.replicas), plan.spares)
         event = self._restart_event("failure", "survivors", first, in_flight, before,
                                     resumed_step=self.run.global_step, checkpoint=None, since=t0, pids=pids)
         return Running(event)
@@ -269,8 +270,8 @@ class ElasticController:
         self, state: ReloadingSurvivors, first: WorkerLostError, in_flight: tuple | None
     ) -> State:
         t0, before = time.monotonic(), self.run.config.parallel.layout.record()
-        restored, pids = self.run.continue_on_ranks(
-            state.ranks, with_dp(self.run.config, state.dp), kept=False, spares=state.spares
+        restored, pids = self.run.continue_with_reloaded_state(
+            state.ranks, with_dp(self.run.config, state.dp), state.spares
         )
         return Running(
             self._restart_event(

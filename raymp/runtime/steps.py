@@ -59,9 +59,9 @@ def _cp_mean(value: torch.Tensor, mesh) -> float:
     return float(value)
 
 
-def _parallelize(modules, spec, cfg, mesh, device, zero_bubble: bool = False, kept: bool = False):
+def _parallelize(modules, spec, cfg, mesh, device, zero_bubble: bool = False, initial_values: bool = True):
     """Activation checkpointing, compilation, then data parallel / ZeRO (after TP: torchtitan's
-    order). `kept`: the values are loaded after set-up (see LocalStep)."""
+    order). `initial_values`: as LocalStep's (DDP's first broadcast only with them)."""
     p = cfg.parallel
     compiled = compiles(cfg, device.type)
     if cfg.precision == "fp8":
@@ -78,7 +78,7 @@ def _parallelize(modules, spec, cfg, mesh, device, zero_bubble: bool = False, ke
         torch.bfloat16 if cfg.bf16 else None, spec.block_names,
         # Zero-bubble + FSDP2 resharding after forward yields wrong weight gradients (docs/design.md).
         reshard_after_forward=False if zero_bubble else None,
-        wrap_ddp=p.pp == 1 and p.tp == 1 and p.ep == 1, sync_initial=not kept,
+        wrap_ddp=p.pp == 1 and p.tp == 1 and p.ep == 1, sync_initial=initial_values,
         expert_data=mesh.get("expert_data"),
     )
 
@@ -89,14 +89,15 @@ class LocalStep:
 
     counted_elsewhere: tuple = ()
 
-    def __init__(self, cfg, spec, mesh, coords, device, document_eot: int | None = None, kept: bool = False):
-        """`kept`: every value is loaded right after set-up (a survivor's state, kept in memory),
-        so no initial value is computed, read or broadcast (a third of a survivor's set-up)."""
+    def __init__(self, cfg, spec, mesh, coords, device, document_eot: int | None = None,
+                 initial_values: bool = True):
+        """`initial_values` False: every value is loaded right after set-up (a survivor's state,
+        kept in memory), so none is computed, read or broadcast (a third of a survivor's set-up)."""
         self.cfg, self.device, self.document_eot, self.mesh = cfg, device, document_eot, mesh
-        model = _build(spec, cfg, mesh, device, fill=not kept)
+        model = _build(spec, cfg, mesh, device, fill=initial_values)
         self.num_params = spec.num_params()
         self.tied_embeddings = spec.tie_embeddings
-        self.engine = _parallelize([model], spec, cfg, mesh, device, kept=kept)
+        self.engine = _parallelize([model], spec, cfg, mesh, device, initial_values=initial_values)
         self.moe_blocks = moe_blocks(model)
         self.expert_shards = expert_modules(model)
         self._autocast_dtype = _autocast_dtype(cfg)
@@ -229,8 +230,8 @@ class PipelineStep:
     DOCUMENT_TAG = 9
 
     def __init__(self, cfg, spec, mesh, coords, device, dims, document_eot: int | None = None,
-                 kept: bool = False):
-        """`kept`: as LocalStep's."""
+                 initial_values: bool = True):
+        """`initial_values`: as LocalStep's."""
         p = cfg.parallel
         self.cfg, self.device, self.dims, self.document_eot, self.mesh = cfg, device, dims, document_eot, mesh
         self.pp_rank = coords["pp"]
@@ -241,13 +242,14 @@ class PipelineStep:
         self.stage_layers = {s: layers[s] for s in self.stage_ids}
         modules = [
             _build(spec, cfg, mesh, device, prune=keep_only(layers[s], s == 0, s == num_stages - 1, spec),
-                   fill=not kept)
+                   fill=initial_values)
             for s in self.stage_ids
         ]
         self.num_params = sum(_whole_numel(m) for m in modules)
         self.tied_embeddings = spec.tie_embeddings
         self.engine = _parallelize(
-            modules, spec, cfg, mesh, device, zero_bubble=p.schedule in ZERO_BUBBLE, kept=kept
+            modules, spec, cfg, mesh, device, zero_bubble=p.schedule in ZERO_BUBBLE,
+            initial_values=initial_values
         )
         # The schedule divides gradients by the micro-batches after backward (scale_grads), the
         # balance loss's with them: its gradient keeps scale 1.

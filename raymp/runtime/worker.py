@@ -142,11 +142,13 @@ class Worker(CheckpointCalls):
 
     # -- model set-up -----------------------------------------------------------------------
 
-    def setup(self, cfg, vocab_size: int, document_eot: int | None = None, kept: bool = False) -> RankSetup:
+    def setup(self, cfg, vocab_size: int, document_eot: int | None = None,
+              from_memory: bool = False) -> RankSetup:
         """Build this rank's part of the model + optimizer from the RunConfig the driver validated
         (sent as the object: not validated again); `document_eot`: the end-of-text id when
-        documents are masked (data.document_mask); `kept`: restore_kept() follows, so no initial
-        value is made. Re-callable: a reused actor group can train another config without
+        documents are masked (data.document_mask); `from_memory`: restore_kept() follows (the
+        state kept here, or received from a live peer), so no initial value is made; else any
+        copy kept here is stale and goes. Re-callable: a reused actor group can train another config without
         restarting processes. The data stream is left as it is (start_stream replaces it)."""
         if self.checkpointer is not None:
             self.checkpointer.wait()  # a save of the previous set-up still writing
@@ -157,8 +159,8 @@ class Worker(CheckpointCalls):
             return_large_buffers_to_os()
         self.coords = dims.coords(self.rank)
         spec = model_spec(cfg.model, vocab_size, cfg.seed)
-        if not kept:  # a survivor built this model before: its code is imported (a meta build: 25 ms)
-            self.kept.drop()  # a state restored from elsewhere replaces any copy kept
+        if not from_memory:  # else a survivor built this model before: its code is imported
+            self.kept.drop()
             with torch.device("meta"):
                 spec.build_meta()  # imports the model's code first: setup_peak_bytes counts memory, not code
         rss_before = reset_peak_rss()
@@ -166,9 +168,10 @@ class Worker(CheckpointCalls):
             mesh = self.world.mesh(dims, self.device.type)
             if dims.pp > 1:
                 self.step_runner = PipelineStep(cfg, spec, mesh, self.coords, self.device, dims, document_eot,
-                                                kept)
+                                                initial_values=not from_memory)
             else:
-                self.step_runner = LocalStep(cfg, spec, mesh, self.coords, self.device, document_eot, kept)
+                self.step_runner = LocalStep(cfg, spec, mesh, self.coords, self.device, document_eot,
+                                             initial_values=not from_memory)
         self.engine = self.step_runner.engine
         self.step_runner.meter.on_activation = self.world.abandon.check
         self.memory = MemorySampler(cfg.train.steps, cfg.train.memory_every)

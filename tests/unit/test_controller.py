@@ -67,11 +67,16 @@ class ScriptedRun:
         self.calls.append(f"commit_failed_step({sorted(finished)})")
         self.global_step += 1
 
-    def continue_on_ranks(self, ranks, config, kept, spares=0):
-        with_spares = f", spares={spares}" if spares else ""
-        self.calls.append(f"continue_on_ranks({ranks}, kept={kept}{with_spares})")
+    def continue_with_kept_state(self, ranks, config, spares=0):
+        return self._continue("continue_with_kept_state", ranks, config, spares)
+
+    def continue_with_reloaded_state(self, ranks, config, spares=0):
+        return None, self._continue("continue_with_reloaded_state", ranks, config, spares)
+
+    def _continue(self, name, ranks, config, spares):
+        self.calls.append(f"{name}({ranks}" + (f", spares={spares})" if spares else ")"))
         self.config = config
-        return None, [100 + r for r in ranks] + [200 + i for i in range(spares)]
+        return [100 + r for r in ranks] + [200 + i for i in range(spares)]
 
     def ready_spares(self):
         return self.spares
@@ -147,7 +152,7 @@ def test_survivors_go_on_with_their_state():
     event = controller.recover(_lost(rank=1))
     assert _phases(controller) == ["running", "recovering", "keeping survivors", "running"]
     assert event["recovery"] == "survivors" and event["resumed_step"] == 5 and event["checkpoint"] is None
-    assert run.calls == ["abandon_save", "keep_survivors(1)", "continue_on_ranks([0], kept=True)"]
+    assert run.calls == ["abandon_save", "keep_survivors(1)", "continue_with_kept_state([0])"]
     assert run.config.parallel.dp == 1
 
 
@@ -161,7 +166,7 @@ def test_survivors_that_all_took_the_failed_step_count_it_done_and_go_on():
     assert _phases(controller) == ["running", "recovering", "keeping survivors", "running"]
     assert event["recovery"] == "survivors" and event["resumed_step"] == 6 and event["failed_step"] == 5
     assert run.calls == ["abandon_save", "keep_survivors(1)", "commit_failed_step([0])",
-                         "continue_on_ranks([0], kept=True)"]
+                         "continue_with_kept_state([0])"]
 
 
 def test_survivors_ahead_of_the_run_without_their_step_ending_are_refused_and_the_run_restarts():
@@ -322,7 +327,7 @@ def test_survivors_without_their_state_reload_it_from_peer_copies():
         "reloading survivors",
         "running",
     ]
-    assert event["recovery"] == "survivors reloaded" and run.calls[-1] == "continue_on_ranks([0], kept=False)"
+    assert event["recovery"] == "survivors reloaded" and run.calls[-1] == "continue_with_reloaded_state([0])"
     assert any("they reload it" in line for line in said)
 
 
@@ -330,7 +335,7 @@ def test_survivors_reloading_take_ready_spares_into_the_lost_places_at_the_same_
     run = ScriptedRun(_config(keep_survivors=True, peer_copy_every=2), held=6, spares=1)
     controller, said = _controller(run)
     event = controller.recover(_lost(rank=1))
-    assert run.calls[-1] == "continue_on_ranks([0], kept=False, spares=1)"
+    assert run.calls[-1] == "continue_with_reloaded_state([0], spares=1)"
     assert event["recovery"] == "survivors reloaded" and event["pids"] == [100, 200]
     assert run.config.parallel.dp == 2 and any("1 warm spare rank(s) in the lost places" in s for s in said)
 
@@ -359,7 +364,7 @@ def test_survivors_going_on_take_ready_spares_into_the_lost_places_in_the_same_t
     controller, said = _controller(run)
     event = controller.recover(_lost(rank=1))
     assert _phases(controller) == ["running", "recovering", "keeping survivors", "running"]
-    assert run.calls[-1] == "continue_on_ranks([0], kept=True, spares=1)"
+    assert run.calls[-1] == "continue_with_kept_state([0], spares=1)"
     assert event["recovery"] == "survivors" and event["pids"] == [100, 200] and run.config.parallel.dp == 2
     assert any("1 warm spare rank(s) take the lost ranks' places" in line for line in said)
 
@@ -370,12 +375,12 @@ def test_a_spare_lost_while_joining_leaves_the_survivors_going_on_alone():
     on, alone this time; a new spare joins later (Joining)."""
 
     class SpareDies(ScriptedRun):
-        def continue_on_ranks(self, ranks, config, kept, spares=0):
+        def continue_with_kept_state(self, ranks, config, spares=0):
             if spares:
-                self.calls.append(f"continue_on_ranks({ranks}, kept={kept}, spares={spares}): the spare died")
+                self.calls.append(f"continue_with_kept_state({ranks}, spares={spares}): the spare died")
                 self.spares, self.config = 0, with_dp(self.config, 1)
                 raise JoinFailed("a rank that was joining: rank 1 died", None, "died", 5)
-            return super().continue_on_ranks(ranks, config, kept)
+            return super().continue_with_kept_state(ranks, config)
 
         def keep_survivors(self, lost_rank):
             if lost_rank is not None:
@@ -389,7 +394,7 @@ def test_a_spare_lost_while_joining_leaves_the_survivors_going_on_alone():
     event = controller.recover(_lost(rank=1))
     assert _phases(controller) == ["running", "recovering", "keeping survivors", "recovering",
                                    "keeping survivors", "running"]
-    assert run.calls[-2:] == ["keep_survivors(None)", "continue_on_ranks([0], kept=True)"]
+    assert run.calls[-2:] == ["keep_survivors(None)", "continue_with_kept_state([0])"]
     assert event["recovery"] == "survivors" and event["attempts"] == 2 and run.config.parallel.dp == 1
     assert len(controller.failures) == 2 and "teardown" not in run.calls
 
