@@ -38,3 +38,33 @@ def vote_record(workers: list, ranks, step: int, timeout_s: float, knob: str) ->
             return record
     raise WorkerLostError(f"step {step}: no survivor answered with the commit vote's record in time "
                           f"({knob})", None, "died", step)
+
+
+class FailedStep:
+    """The calls of the step a rank was lost in, by rank, and every call of the group whose result
+    was not read then (the step queued after it, the steps the survivors abandoned): the calls
+    that ended well say who took the step (finished_at), and every result is read once its call
+    ends (read_results; Ray prints an "Unhandled error" for a failed result never read)."""
+
+    def __init__(self):
+        self.step: int | None = None
+        self._calls: list = []
+        self._unread: list = []
+
+    def record(self, step: int, calls: list, queued: list) -> None:
+        """`step`'s `calls` failed; `queued`: the calls of the step queued after it."""
+        self.step, self._calls, self._unread = step, calls, calls + queued
+
+    def add_unread(self, calls: list) -> None:
+        self._unread += calls
+
+    def finished_at(self, step: int) -> dict[int, RankReport]:
+        """rank -> its report of the failed step, when it is `step` (the run's next), from the
+        ranks whose call of it ended well."""
+        return ended_well(self._calls) if self.step == step else {}
+
+    def read_results(self) -> None:
+        """Read the results that are in (errors, known already)."""
+        unread, self._unread = self._unread, []
+        if unread:
+            ended_well(unread)

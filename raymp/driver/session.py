@@ -13,7 +13,7 @@ from raymp.checkpoint.coordinator import CheckpointCoordinator
 from raymp.checkpoint.restore import COLLECTIVE_KNOB, restore_newest_intact
 from raymp.checkpoint.store import Checkpoint
 from raymp.config import ConfigError, RunConfig, resolved_dict
-from raymp.driver.failed_step import ended_well, vote_record
+from raymp.driver.failed_step import FailedStep, vote_record
 from raymp.driver.health import StepDeadline
 from raymp.driver.launch import FromMemory, FromNewest, Launcher, RunParts
 from raymp.driver.metrics import peak_tflops, step_metrics, with_stand_ins
@@ -45,8 +45,7 @@ class Session:
         # A launch sets it to where its data streams start; each step's results advance it.
         self.global_step = 0
         self._ahead = None  # (step, refs, dispatched at, carries a save): queued, not yet collected
-        self._unread: list = []  # a failed step's calls whose results were never read
-        self._failed: tuple[int, list] | None = None  # the failed step and its calls, by rank
+        self.failed = FailedStep()  # the calls of the step a rank was lost in
         # A failed step its vote took, recorded for the Trainer (commit_failed_step).
         self.committed: tuple[int, list, dict] | None = None
         self._last_collected = 0.0  # when the last step's results came back
@@ -118,9 +117,8 @@ class Session:
         try:
             reports = self.group.collect(refs, *self.deadline.limit(writes))
         except WorkerLostError as lost:
-            # The survivors' calls end with errors of their own: read later (read_failed_calls).
-            self._unread = refs + (self._ahead[1] if self._ahead else [])
-            self._failed = (step, refs)
+            # The survivors' calls end with errors of their own: read later (FailedStep.read_results).
+            self.failed.record(step, refs, self._ahead[1] if self._ahead else [])
             self._ahead = None  # its ranks are torn down with the failed step's
             raise WorkerLostError(f"step {step}: {lost}", lost.rank, lost.kind, step) from lost
         self._last_collected = time.perf_counter()
@@ -154,7 +152,7 @@ class Session:
         return self.checkpoints.abandon()
 
     def teardown(self) -> None:
-        self._read_failed_calls()
+        self.failed.read_results()
         if self.group is not None and self.group is not self.shared_group:
             self.group.shutdown()
         self.group, self._ahead = None, None
@@ -168,27 +166,25 @@ class Session:
         """Every live rank drops its failed step at once (abandon_steps) and copies its state to
         host memory: rank -> optimizer steps its state holds. The lost rank's replica can no
         longer go on: its other ranks are let go at once, so none of their peers waits on them."""
-        self._unread += self.group.abandon_steps()
+        self.failed.add_unread(self.group.abandon_steps())
         if lost_rank is not None and self.config.parallel.layout.state_replicas > 1:  # else: the whole group
             self.group.kill_ranks(self.config.parallel.layout.replica_of(lost_rank))
         kept = self.group.survivors("keep_state", self.config.resources.collective_timeout_s,
                                     COLLECTIVE_KNOB, self.config.elastic.survivor_grace_s,
                                     "elastic.survivor_grace_s")
-        self._read_failed_calls()
+        self.failed.read_results()
         return kept
 
     def finished_failed_step(self) -> dict[int, RankReport]:
         """rank -> its report of the failed step, from the ranks whose call of it ended well
         (asked once the survivors answered: their calls of it have ended)."""
-        if self._failed is None or self._failed[0] != self.global_step:
-            return {}
-        return ended_well(self._failed[1])
+        return self.failed.finished_at(self.global_step)
 
     def commit_failed_step(self, finished: dict[int, RankReport]) -> None:
         """The failed step was taken by every rank (its commit vote passed; `finished`: the reports
         that came back): record it (self.committed, for the Trainer) with the loss and samples the
         vote gathered from the ranks whose reports are lost, and count it done."""
-        step, r = self._failed[0], self.config.resources
+        step, r = self.failed.step, self.config.resources
         record = vote_record(self.group.workers, finished, step, r.collective_timeout_s, COLLECTIVE_KNOB)
         layout = self.config.parallel.layout
         reports = with_stand_ins(finished, record, layout)
@@ -196,13 +192,6 @@ class Session:
         metrics = step_metrics(step, reports, layout, self.config, step_time, *self._step_constants)
         metrics["stand_in_ranks"] = [rep.rank for rep in reports if rep.stand_in]
         self.committed, self.global_step = (step, reports, metrics), step + 1
-
-    def _read_failed_calls(self) -> None:
-        """Read the failed step's results that are in (errors, known already): Ray prints an
-        "Unhandled error" for every failed result that is never read."""
-        unread, self._unread = self._unread, []
-        if unread:
-            ended_well(unread)
 
     def continue_with_kept_state(self, ranks: list[int], config: RunConfig, spares: int = 0) -> list[int]:
         """The run again on the live `ranks` (same processes, in order) and `spares` warm spare
