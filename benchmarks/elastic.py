@@ -316,7 +316,10 @@ def measure(opts) -> dict:
             "The replacement node (3 CPUs) starts on the same two cores as the run: its raylet and the idle "
             "workers Ray starts on it compete with the recovery, which a real cluster's new machine would not. "
             "keep_survivors does not need it (grow_back off), so its second row leaves it out: that row is "
-            "raymp's own recovery path.",
+            "raymp's own recovery path. Without a replacement node the lost rank's bundle has no room, and "
+            "Ray's GCS retries placing it on every scheduler pass (ray-project/ray#65970), one of the two "
+            "cores busy until the run ends: the steps after the loss in those rows (and the warm spare's "
+            "\"next step\") run slower than before it (docs/design.md, warm spares).",
             "\"read from storage per rank\" is the size of the checkpoint the restart loaded: under DDP "
             "each rank reads all of it, on both sides. The peer-copy row of the cost table keeps no checkpoint "
             "on storage; its copies (two of each rank's part) are in the object store. A peer copy's \"blocked\" is "
