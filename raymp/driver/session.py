@@ -237,12 +237,10 @@ class Session:
             group.shrink_to(ranks, r.collective_timeout_s, r.rendezvous_timeout_s, add=spares)
             self.config = config
             restored = self.launch(start, group)
-        except WorkerLostError:
+        except BaseException as error:
             self.group = group  # launch let go of it
-            raise
-        except BaseException:
-            group.shutdown()
-            self.group = None
+            if not isinstance(error, WorkerLostError):
+                self._shut_down()
             raise
         return restored
 
