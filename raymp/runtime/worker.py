@@ -30,11 +30,9 @@ from raymp.models.spec import clean_name as _clean
 from raymp.optim import build_scheduler
 from raymp.parallel.experts import exchange_seconds, finish_expert_step
 from raymp.runtime.checkpoint_calls import CheckpointCalls
-from raymp.runtime.commit_vote import Ballot, StepRecord
+from raymp.runtime.commit_vote import StepRecord
 from raymp.runtime.gradients import full_gradients
-from raymp.runtime.kept_state import KeptState
-from raymp.runtime.membership import WorldMembership
-from raymp.runtime.peer_loss import is_peer_loss
+from raymp.runtime.rank_recovery import RankRecovery, StateParts
 from raymp.runtime.process_memory import (freeze_what_is_here, peak_memory, peak_rss, reset_peak_rss,
                                           return_large_buffers_to_os)
 from raymp.runtime.report import MemorySampler, RankReport, RankSetup
@@ -58,9 +56,7 @@ class Worker(CheckpointCalls):
         self.stream = None
         self.checkpointer = None
         self.peer_copy = None  # a PeerCopyWriter beside the checkpointer, on its group
-        self.world = WorldMembership()  # the process groups this rank formed, and leaving them
-        self.kept = KeptState()  # the state's host copy while the world is re-formed
-        self.last_vote: StepRecord | None = None  # the last step's commit vote (step_record)
+        self.recovery = RankRecovery()  # its world, its kept state, its vote: the rank side of faults
         freeze_what_is_here()
 
     # -- placement and rendezvous ---------------------------------------------------------
@@ -100,7 +96,7 @@ class Worker(CheckpointCalls):
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
-        checkpoint_group = self.world.join(rank, world_size, addr, port, backend, timeout_s)
+        checkpoint_group = self.recovery.join(rank, world_size, addr, port, backend, timeout_s)
         self.checkpointer = RankCheckpointer(rank, world_size, checkpoint_group)
         if self.peer_copy is not None:
             self.peer_copy.discard()  # written on a group that is gone
@@ -110,26 +106,26 @@ class Worker(CheckpointCalls):
     def abandon_step(self, formation: tuple[str, int]) -> bool:
         """The group formed at `formation` lost a peer: drop the step running (StepAbandon).
         Runs in the control thread, beside the step."""
-        return self.world.abandon.request(formation)
+        return self.recovery.abandon(formation)
 
     def keep_state(self) -> int:
         """A host copy of this rank's whole training state, kept across rejoin() and set-up
         (elastic.keep_survivors; made already if a step lost a peer). Returns the optimizer
         steps it holds, so the driver can check every survivor stopped at the same step."""
-        return self.kept.keep(self.step_runner, self.engine, self.scheduler)
+        return self.recovery.keep(self._state_parts())
 
     def rejoin(
         self, rank: int, world_size: int, addr: str, port: int, backend: str, timeout_s: float
     ) -> None:
         """Leave the broken process group (a peer is gone) and join the survivors' new one."""
         self._drop_model()
-        self.world.leave(broken=False)
+        self.recovery.leave()
         self.init_distributed(rank, world_size, addr, port, backend, timeout_s)
 
     def describe_kept(self) -> dict:
         """What a rank joining in this rank's place of another replica needs to receive
         keep_state()'s copy (raymp.runtime.transfer)."""
-        return self.kept.description()
+        return self.recovery.describe_kept()
 
     def restore_kept(self, send_to: tuple[int, ...] = (), receive_from: int | None = None,
                      description: dict | None = None) -> None:
@@ -137,8 +133,7 @@ class Worker(CheckpointCalls):
         over the new world's group: a survivor sends its copy to the joining ranks `send_to`
         (each takes its place in another replica); a joining rank receives the copy of the live
         rank `receive_from` (`description`: that rank's describe_kept())."""
-        self.kept.hand_over(send_to, receive_from, description)
-        self.kept.put_back(self.step_runner, self.engine, self.scheduler)
+        self.recovery.restore(self._state_parts(), send_to, receive_from, description)
 
     # -- model set-up -----------------------------------------------------------------------
 
@@ -159,21 +154,21 @@ class Worker(CheckpointCalls):
             return_large_buffers_to_os()
         self.coords = dims.coords(self.rank)
         spec = model_spec(cfg.model, vocab_size, cfg.seed)
-        if not from_memory:  # else a survivor built this model before: its code is imported
-            self.kept.drop()
+        initial_values = self.recovery.begin_setup(from_memory)
+        if initial_values:  # else a survivor built this model before: its code is imported
             with torch.device("meta"):
                 spec.build_meta()  # imports the model's code first: setup_peak_bytes counts memory, not code
         rss_before = reset_peak_rss()
-        with self.world.forming():  # the mesh's groups, and a pipeline's tied-embedding groups
-            mesh = self.world.mesh(dims, self.device.type)
+        with self.recovery.forming():  # the mesh's groups, and a pipeline's tied-embedding groups
+            mesh = self.recovery.mesh(dims, self.device.type)
             if dims.pp > 1:
                 self.step_runner = PipelineStep(cfg, spec, mesh, self.coords, self.device, dims, document_eot,
-                                                initial_values=not from_memory)
+                                                initial_values=initial_values)
             else:
                 self.step_runner = LocalStep(cfg, spec, mesh, self.coords, self.device, document_eot,
-                                             initial_values=not from_memory)
+                                             initial_values=initial_values)
         self.engine = self.step_runner.engine
-        self.step_runner.meter.on_activation = self.world.abandon.check
+        self.step_runner.meter.on_activation = self.recovery.check_abandoned
         self.memory = MemorySampler(cfg.train.steps, cfg.train.memory_every)
         self.scheduler = build_scheduler(self.engine.optimizer, cfg.optimizer, cfg.train.steps)
         self.eval_tokens = []
@@ -207,29 +202,19 @@ class Worker(CheckpointCalls):
         """One optimizer step over this replica's share of global batch `step`; first-stage
         ranks pull it from their stream, the other stages get activations instead. `save`: start
         a checkpoint of the state after it (CheckpointCalls.checkpoint_after_step)."""
-        if self.world.broken:
-            raise dist.DistError("this rank left its process group after a peer was lost")
-        try:
-            return self._train_step(step, save)
-        except Exception as exc:
-            if not is_peer_loss(exc):
-                raise
-            lost = f"{type(exc).__name__}: {exc}"
-        # Outside the except block: the error's traceback (which holds the model) is gone.
-        self._leave_broken_group()
-        raise dist.DistError(lost)
+        return self.recovery.run_step(lambda: self._train_step(step, save), self._state_parts,
+                                      self._release_groups)
 
-    def _leave_broken_group(self) -> None:
-        """A peer is gone: keep a host copy of the state (the failed step never reached the
-        optimizer), then drop everything that holds the process groups and shut them down, so
-        no call here and no peer waiting on this rank blocks on them (raymp.runtime.peer_loss)."""
-        self.kept.drop()  # this step's state (it never reached the optimizer) is the one to keep
-        self.kept.keep(self.step_runner, self.engine, self.scheduler)
+    def _state_parts(self) -> StateParts:
+        return StateParts(self.step_runner, self.engine, self.scheduler)
+
+    def _release_groups(self) -> None:
+        """A peer is gone (RankRecovery.run_step): let go of everything here that holds the
+        process groups: the checkpoint writers, and the model (the DDP reducer, the pipeline)."""
         if self.peer_copy is not None:
             self.peer_copy.discard()
         self.checkpointer = self.peer_copy = None
-        self._drop_model()  # the DDP reducer and the pipeline hold the groups
-        self.world.leave(broken=True)
+        self._drop_model()
 
     def _drop_model(self) -> None:
         """Let the model, optimizer and step runner go, their memory and any process group
@@ -256,15 +241,15 @@ class Worker(CheckpointCalls):
         exchange_seconds(self.step_runner.expert_shards)  # the step's own exchanges only (not validation's)
         out = self.step_runner.forward_backward(tokens)
         p = self.cfg.parallel
-        ballot = Ballot(step, out["loss"], sample_ids, p.layout.local_batch(self.cfg.train.global_batch_size),
-                        self.rank, self.world_size)
+        ballot = self.recovery.ballot(step, out["loss"], sample_ids,
+                                      p.layout.local_batch(self.cfg.train.global_batch_size))
         grad_norm = self.engine.clip_grad_norm(  # the step's last collective, and its commit vote
             self.cfg.optimizer.grad_clip,
             p.layout.data_parallel_size * p.tp,
             self.step_runner.counted_elsewhere,
             also_sum=ballot.tensor,
         )
-        self.last_vote = ballot.record()
+        self.recovery.counted(ballot)
         if math.isfinite(grad_norm):  # the same global norm on every rank: all apply, or none
             self.engine.optimizer.step()
             routing = finish_expert_step(self.step_runner.moe_blocks, self.step_runner.mesh["data"])
@@ -298,7 +283,7 @@ class Worker(CheckpointCalls):
 
     def step_record(self, step: int) -> StepRecord | None:
         """What the commit vote of `step` gathered, if this rank's last vote was that step's."""
-        return self.last_vote if self.last_vote is not None and self.last_vote.step == step else None
+        return self.recovery.step_record(step)
 
     def evaluate(self) -> float | None:
         """Mean validation loss over the held-out batches (last stages return it)."""
