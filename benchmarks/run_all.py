@@ -42,6 +42,7 @@ SECTIONS = (
     "vote",
     "ep",
     "gloo",
+    "save_stall",
 )
 
 
@@ -60,6 +61,7 @@ _WHERE = {
     "vote": "commit_vote:measure",
     "ep": "expert_parallel:measure",
     "gloo": "gloo_groups:measure",
+    "save_stall": "save_stall:measure",
 }
 
 

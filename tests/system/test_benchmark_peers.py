@@ -29,6 +29,7 @@ from benchmarks.peers_plain import run_plain, run_plain_dp
         "peers_plain",
         "plain_loop",
         "rank_step",
+        "save_stall",
     ],
 )
 def test_benchmark_modules_import(module):
