@@ -188,7 +188,7 @@ def measure(opts) -> dict:
         for rep in range(opts.reps):
             for name, worker in VARIANTS.items():
                 group = ActorGroup(2, "cpu", cpus_per_actor=1.5, placement_timeout_s=120, worker_cls=worker)
-                directory = f"{root}/{rep}-{len(runs[name])}-{worker.__name__}"
+                directory = f"{root}/{rep}-{worker.__name__}"
                 cfg = config(root, "small", steps, checkpoint={"every": EVERY, "async_save": True,
                                                                "dir": directory, "keep_last": 1})
                 try:
