@@ -155,17 +155,18 @@ def clear_mesh_group_registry(mesh) -> None:
             registry.clear()
 
 
-def fsspec_storage_writer(path: str):
-    """DCP's fsspec writer (a URI): torch has it in a private module only."""
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+def fsspec_storage_classes() -> tuple[type, type]:
+    """DCP's fsspec writer and reader classes (a URI): torch has them in a private module only."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-    return FsspecWriter(path)
+    return FsspecWriter, FsspecReader
 
 
-def fsspec_storage_reader(path: str):
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+def dcp_storage_info(relative_path: str, offset: int, length: int, descriptors: list[str] | None):
+    """DCP's index entry for an item's bytes in a file (a private class of its file storage)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-    return FsspecReader(path)
+    return _StorageInfo(relative_path, offset, length, transform_descriptors=descriptors)
 
 
 def dcp_writer_process():

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from raymp.checkpoint.rank_state import save_in_background, save_state
+from raymp.checkpoint.raw_storage import RawFileWriter
 from raymp.checkpoint.restore import COLLECTIVE_KNOB
 
 
@@ -50,7 +50,7 @@ class PeerCopyWriter:
             # Scratch read back soon: no fsync (it cost more than the write).
             future = save_in_background(
                 sd,
-                FileSystemWriter(scratch, sync_files=False),
+                RawFileWriter(scratch, sync_files=False),
                 self.checkpointer.group,
                 AsyncCheckpointerType.THREAD,
             )

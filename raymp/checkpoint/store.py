@@ -25,11 +25,9 @@ import re
 import time
 from dataclasses import dataclass
 
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-
 from raymp.checkpoint.integrity import verify
+from raymp.checkpoint.raw_storage import RawFileReader, RawFileWriter, RawFsspecReader, RawFsspecWriter
 from raymp.storage import fsspec_fs, is_uri
-from raymp.torch_compat import fsspec_storage_reader, fsspec_storage_writer
 
 MARKER = "raymp.json"
 MARKER_DIGEST = "marker_sha256"  # the marker's checksum of the rest of its content
@@ -41,18 +39,13 @@ class CheckpointError(RuntimeError):
 
 
 def storage_writer(path: str):
-    """DCP's writer for a path (plain files) or a URI (fsspec)."""
-    if is_uri(path):
-        return fsspec_storage_writer(path)
-
-    return FileSystemWriter(path)
+    """DCP's writer for a path (plain files) or a URI (fsspec), tensors written raw (raw_storage.py)."""
+    return RawFsspecWriter(path) if is_uri(path) else RawFileWriter(path)
 
 
 def storage_reader(path: str):
-    if is_uri(path):
-        return fsspec_storage_reader(path)
-
-    return FileSystemReader(path)
+    """DCP's reader for a path or a URI, for raw tensors and torch.save ones alike."""
+    return RawFsspecReader(path) if is_uri(path) else RawFileReader(path)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from raymp.checkpoint.store import MARKER, CheckpointError, CheckpointStore, read_marker
+from raymp.checkpoint.store import MARKER, CheckpointError, CheckpointStore, read_marker, storage_reader
 from helpers.ports import free_port
 
 
@@ -66,7 +66,7 @@ def test_async_save_is_a_snapshot(tmp_path, writer):
         assert report["step"] == 1 and report["error"] is None
         assert sorted(report["files"]) == [".metadata", "__0_0.distcp"]  # hashed for the marker
         loaded = {"model.w": torch.zeros_like(weight)}
-        dcp.load(loaded, checkpoint_id=str(tmp_path / "a"))  # through the one-rank group
+        dcp.load(loaded, storage_reader=storage_reader(str(tmp_path / "a")))  # through the one-rank group
         assert torch.equal(loaded["model.w"], before)
     finally:
         close_writer_process()
