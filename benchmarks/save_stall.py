@@ -1,11 +1,11 @@
 """15. Where an async save's stall in the step loop comes from: the checkpoint cost table's
 "async every 5" row (dp=2 ZeRO-2 `small`, a save every 5 steps, one actor group), run as shipped
-and with parts of the save taken out by a worker subclass (raymp's code unchanged): the files'
-kernel writes (DCP serializes every tensor as it does, into a stream that drops the bytes), and
-the whole write (the host copy is made, nothing is written). Each variant's stall is priced as in
-the cost table (benchmarks.recovery.in_run_cost), and beside it what the step after a save took
-on the ranks beyond the run's median step (`compute_s`: the step call's wall time; `own_s`: the
-training thread on a CPU or waiting for one).
+(raymp's writer: each tensor's raw bytes, raymp.checkpoint.raw_storage), with DCP's own writer
+(torch.save per tensor), with DCP's writer into a stream that drops the bytes (its serialization
+alone), and with the host copy only (nothing written), each by a worker subclass (raymp's code
+unchanged). Each variant's stall is priced as in the cost table (benchmarks.recovery.in_run_cost),
+and beside it what the step after a save took on the ranks beyond the run's median step
+(`compute_s`: the step call's wall time; `own_s`: the training thread on a CPU or waiting for one).
 
     python -m benchmarks.run_all --only save_stall --update
 """
@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import shutil
 import statistics
 import tempfile
-import threading
 import time
 from concurrent.futures import Future
 
@@ -65,9 +63,20 @@ class TimedWorker(Worker):
         return self.__dict__.get("_cpu_s", {})
 
 
+class TorchSaveWorker(TimedWorker):
+    """DCP's own FileSystemWriter, which serializes every tensor with torch.save (raymp's before
+    raw_storage)."""
+
+    def init_distributed(self, *args, **kwargs) -> None:
+        super().init_distributed(*args, **kwargs)
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        self.checkpointer.writer_factory = FileSystemWriter
+
+
 class SerializeOnlyWorker(TimedWorker):
-    """DCP's save as shipped, but each rank's data file is an empty file and its bytes go to a
-    stream that drops them (DCP's index and raymp's hashing run as they do)."""
+    """DCP's own FileSystemWriter, but each rank's data file is an empty file and its bytes go to
+    a stream that drops them (DCP's index and raymp's hashing run as they do)."""
 
     def init_distributed(self, *args, **kwargs) -> None:
         super().init_distributed(*args, **kwargs)
@@ -108,56 +117,11 @@ class CopyOnlyWorker(TimedWorker):
         checkpointer.write = write
 
 
-class IdleWriterWorker(TimedWorker):
-    """DCP's save as shipped, run by dcp.save in a thread of this worker's own at the SCHED_IDLE
-    policy (it runs only where no other thread wants the core) in place of dcp.async_save's."""
-
-    def init_distributed(self, *args, **kwargs) -> None:
-        super().init_distributed(*args, **kwargs)
-        import torch.distributed.checkpoint as dcp
-
-        from raymp.checkpoint import rank_state
-
-        def save_in_background(sd, storage_writer, group, writer_kind) -> Future:
-            future: Future = Future()
-
-            def run() -> None:
-                os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
-                try:
-                    future.set_result(dcp.save(sd, storage_writer=storage_writer, process_group=group))
-                except BaseException as exc:
-                    future.set_exception(exc)
-
-            threading.Thread(target=run, name="idle-checkpoint-write").start()
-            return future
-
-        rank_state.save_in_background = save_in_background  # RankCheckpointer.write calls it by name
-
-
-class OwnDeviceWorker(TimedWorker):
-    """The checkpoint group formed again, outside the world's shared gloo device: a device (and a
-    polling thread) of its own, where raymp forms it on the world's one device."""
-
-    def init_distributed(self, rank, world_size, addr, port, backend, timeout_s) -> None:
-        super().init_distributed(rank, world_size, addr, port, backend, timeout_s)
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
-        from raymp.checkpoint.in_memory import PeerCopyWriter
-        from raymp.checkpoint.rank_state import RankCheckpointer
-
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        self.checkpointer = RankCheckpointer(rank, world_size, group)
-        self.peer_copy = PeerCopyWriter(self.checkpointer, timeout_s)
-
-
 VARIANTS = {
-    "as shipped (DCP writes the files in a thread)": TimedWorker,
-    "DCP serializes, the bytes are dropped": SerializeOnlyWorker,
+    "as shipped (raw tensor bytes, written in DCP's thread)": TimedWorker,
+    "DCP's own writer (torch.save per tensor)": TorchSaveWorker,
+    "DCP's own writer, the bytes dropped": SerializeOnlyWorker,
     "host copy only, nothing written": CopyOnlyWorker,
-    "as shipped, the writing thread at SCHED_IDLE": IdleWriterWorker,
-    "as shipped, the checkpoint group on a gloo device of its own": OwnDeviceWorker,
 }
 
 
@@ -221,7 +185,8 @@ def measure(opts) -> dict:
         "title": "15. Where an async save's stall in the step loop comes from",
         "setup": (f"dp=2 ZeRO-2, model `small`, {steps} steps, an async save every {EVERY} steps, on one "
                   f"2-actor group (1.5 CPUs each) of a local Ray; {opts.reps} interleaved rounds. The "
-                  "variants take parts of the save out with a worker subclass; raymp's code is the same."),
+                  "variants change the writer or take parts of the save out with a worker subclass; "
+                  "raymp's code is the same."),
         "columns": ["save", "loop stall per save (ms, median)", "per round", "in-run cost per step",
                     "step after a save: call (ms)", "step after a save: own time (ms)",
                     "step after a save: CPU (ms)", "commits",
@@ -239,6 +204,9 @@ def measure(opts) -> dict:
             "The loop's stall per save swings by a few hundred ms between rounds of the same code (a "
             "median baseline under a few saves per run on a shared machine); the step-after columns are "
             "the steadier measure of what a save costs the loop (docs/design.md, decisions).",
+            "DCP's own writer serializes every tensor with torch.save in its thread, holding the "
+            "rank's GIL; raymp's writes each tensor's bytes with one call that lets go of it "
+            "(raymp.checkpoint.raw_storage).",
             "The two variants that write less still commit their checkpoints (\"commits\"): with "
             "empty data files, or with none listed. No run loads them; they price the write, and the "
             "same losses show the training was the same.",
