@@ -2,11 +2,11 @@
 
 Why not DCP's FileSystemWriter: it serializes every tensor with torch.save, whose zip writer
 holds the rank's GIL while it copies and checksums the bytes. In a background save that is time
-the training thread cannot run (BENCHMARKS.md section 15: a save every 5 steps cost about 5% of
-the window, almost all of it this). Here a tensor's bytes go to the file with one write call,
-which lets go of the GIL, and everything else stays DCP's: its planner (so a checkpoint saved
-under one layout loads into any other), its index (`.metadata`), its file names (`__<rank>_0.distcp`,
-what integrity.py hashes), and its fsspec backends.
+the training thread cannot run (BENCHMARKS.md section 15 prices both writers). Here a tensor's
+bytes go to the file with one write call, which lets go of the GIL, and everything else stays
+DCP's: its planner (so a checkpoint saved under one layout loads into any other), its index
+(`.metadata`), its file names (`__<rank>_0.distcp`, what integrity.py hashes), and its fsspec
+backends.
 
 How a tensor's entry is read back: its index entry (DCP's `_StorageInfo`) carries the transform
 descriptor RAW, and the checkpoint's metadata already holds each chunk's dtype and sizes. A
@@ -93,17 +93,16 @@ class RawReading:
         }
 
     def read_data(self, plan, planner) -> Future:
-        def raw(item) -> bool:
-            return item.type != LoadItemType.BYTE_IO and RAW in (self.storage_data[item.storage_index]
-                                                                 .transform_descriptors or ())
-
-        others = [item for item in plan.items if not raw(item)]
+        per_file: dict[str, list] = {}  # the raw tensors, by file
+        others = []  # what DCP reads itself: BYTE_IO items, tensors written by torch.save
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            if item.type != LoadItemType.BYTE_IO and RAW in (info.transform_descriptors or ()):
+                per_file.setdefault(info.relative_path, []).append(item)
+            else:
+                others.append(item)
         if others:
             super().read_data(dataclasses.replace(plan, items=others), planner).wait()
-        per_file: dict[str, list] = {}
-        for item in plan.items:
-            if raw(item):
-                per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for name, items in per_file.items():
             with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
                 for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
@@ -119,13 +118,13 @@ class RawReading:
         if info.length != expected:
             raise ValueError(f"{item.storage_index.fqn}: {info.length} bytes stored where its "
                              f"{tuple(sizes)} {dtype} chunk holds {expected}")
-        buffer = bytearray(expected)
-        stream.seek(info.offset)
-        if expected and stream.readinto(buffer) != expected:
-            raise ValueError(f"{item.storage_index.fqn}: its file {info.relative_path} ends early")
         if expected:
+            buffer = bytearray(expected)
+            stream.seek(info.offset)
+            if stream.readinto(buffer) != expected:
+                raise ValueError(f"{item.storage_index.fqn}: its file {info.relative_path} ends early")
             tensor = torch.frombuffer(buffer, dtype=dtype).view(sizes)
-        else:
+        else:  # torch.frombuffer refuses an empty buffer
             tensor = torch.empty(sizes, dtype=dtype)
         for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
             tensor = tensor.narrow(dim, start, length)
