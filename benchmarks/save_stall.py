@@ -1,9 +1,10 @@
 """15. Where an async save's stall in the step loop comes from: the checkpoint cost table's
 "async every 5" row (dp=2 ZeRO-2 `small`, a save every 5 steps, one actor group), run as shipped
-(raymp's writer: each tensor's raw bytes, raymp.checkpoint.raw_storage), with DCP's own writer
-(torch.save per tensor), with DCP's writer into a stream that drops the bytes (its serialization
-alone), and with the host copy only (nothing written), each by a worker subclass (raymp's code
-unchanged). Each variant's stall is priced as in the cost table (benchmarks.recovery.in_run_cost),
+(raymp's writer: each tensor's raw bytes, hashed as they are written, raymp.checkpoint.raw_storage),
+with the raw writer's file read back to be hashed (as another writer's files are), with DCP's own
+writer (torch.save per tensor), with DCP's writer into a stream that drops the bytes (its
+serialization alone), and with the host copy only (nothing written), each by a worker subclass
+(raymp's code unchanged). Each variant's stall is priced as in the cost table (benchmarks.recovery.in_run_cost),
 and beside it what the step after a save took on the ranks beyond the run's median step
 (`compute_s`: the step call's wall time; `own_s`: the training thread on a CPU or waiting for one).
 
@@ -63,6 +64,18 @@ class TimedWorker(Worker):
         return self.__dict__.get("_cpu_s", {})
 
 
+class ReadBackWorker(TimedWorker):
+    """raymp's raw writer, but the rank reads its file back to hash it (integrity.rank_files told
+    nothing of the writer's digests)."""
+
+    def init_distributed(self, *args, **kwargs) -> None:
+        super().init_distributed(*args, **kwargs)
+        from raymp.checkpoint import rank_state
+
+        rank_files = rank_state.rank_files
+        rank_state.rank_files = lambda path, rank, hashed=None: rank_files(path, rank)
+
+
 class TorchSaveWorker(TimedWorker):
     """DCP's own FileSystemWriter, which serializes every tensor with torch.save (raymp's before
     raw_storage)."""
@@ -118,7 +131,8 @@ class CopyOnlyWorker(TimedWorker):
 
 
 VARIANTS = {
-    "as shipped (raw tensor bytes, written in DCP's thread)": TimedWorker,
+    "as shipped (raw tensor bytes hashed as written, in DCP's thread)": TimedWorker,
+    "raw tensor bytes, the file read back to be hashed": ReadBackWorker,
     "DCP's own writer (torch.save per tensor)": TorchSaveWorker,
     "DCP's own writer, the bytes dropped": SerializeOnlyWorker,
     "host copy only, nothing written": CopyOnlyWorker,

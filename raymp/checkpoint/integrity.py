@@ -27,22 +27,24 @@ def file_sha256(fs, path: str) -> str:
     return h.hexdigest()
 
 
-def rank_files(path: str, rank: int) -> dict[str, str]:
-    """{file name: sha256} of what `rank` wrote into the checkpoint directory at `path`."""
+def rank_files(path: str, rank: int, hashed: dict[str, str] | None = None) -> dict[str, str]:
+    """{file name: sha256} of what `rank` wrote into the checkpoint directory at `path`; a file in
+    `hashed` (its writer hashed the bytes as it wrote them) is not read back."""
     prefix = f"__{rank}_"
-    return _hashed(path, lambda n: n.startswith(prefix) or (rank == 0 and n == INDEX))
+    return _hashed(path, lambda n: n.startswith(prefix) or (rank == 0 and n == INDEX), hashed or {})
 
 
 def directory_files(path: str) -> dict[str, str]:
     """{file name: sha256} of every file in a checkpoint directory but the commit marker."""
-    return _hashed(path, lambda n: n == INDEX or n.endswith(".distcp"))
+    return _hashed(path, lambda n: n == INDEX or n.endswith(".distcp"), {})
 
 
-def _hashed(path: str, wanted) -> dict[str, str]:
-    """{file name: sha256} of the files in the directory at `path` whose name is `wanted`."""
+def _hashed(path: str, wanted, hashed: dict[str, str]) -> dict[str, str]:
+    """{file name: sha256} of the files in the directory at `path` whose name is `wanted`, read
+    back but for those `hashed` already holds."""
     fs, root = fsspec_fs(path)
     names = sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(root, detail=False))
-    return {n: file_sha256(fs, f"{root}/{n}") for n in names if wanted(n)}
+    return {n: hashed[n] if n in hashed else file_sha256(fs, f"{root}/{n}") for n in names if wanted(n)}
 
 
 def verify_files(path: str, expected: dict[str, str]) -> list[str]:

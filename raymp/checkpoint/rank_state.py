@@ -200,7 +200,9 @@ class RankCheckpointer:
                     raise CheckpointError(f"the state holds non-finite values ({', '.join(bad[:3])}"
                                           + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
                                           + "): a checkpoint of it is never committed")
-                done.set_result(rank_files(path, self.rank))
+                # The raw writer hashed its file as it wrote it; in DCP's writer process it
+                # hashed a copy of the writer there, so the files are read back.
+                done.set_result(rank_files(path, self.rank, getattr(writer, "digests", None)))
             except BaseException as exc:  # torch's CheckpointException is a BaseException
                 done.set_exception(_as_error(exc))
 

@@ -6,7 +6,8 @@ the training thread cannot run (BENCHMARKS.md section 15 prices both writers). H
 bytes go to the file with one write call, which lets go of the GIL, and everything else stays
 DCP's: its planner (so a checkpoint saved under one layout loads into any other), its index
 (`.metadata`), its file names (`__<rank>_0.distcp`, what integrity.py hashes), and its fsspec
-backends.
+backends. The writer hashes the bytes as it writes them (`digests`), so the rank need not read
+its file back to checksum it (integrity.rank_files).
 
 How a tensor's entry is read back: its index entry (DCP's `_StorageInfo`) carries the transform
 descriptor RAW, and the checkpoint's metadata already holds each chunk's dtype and sizes. A
@@ -19,6 +20,7 @@ runs).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import os
 
@@ -50,30 +52,38 @@ def _sync(stream) -> None:
 
 class RawWriting:
     """write_data for a DCP FileSystemWriter (or FsspecWriter): one file per rank, every item
-    written with one call: BYTE_IO items (JSON, RNG state) as DCP writes them, tensors raw."""
+    written with one call: BYTE_IO items (JSON, RNG state) as DCP writes them, tensors raw.
+    `digests` ({file name: sha256}) holds the file it wrote, hashed from the bytes it wrote
+    (hashlib lets go of the GIL, as the write does)."""
+
+    digests: dict[str, str]
 
     def write_data(self, plan, planner) -> Future:
         name = f"{plan.storage_data.prefix}0.distcp"
         results = []
+        sha = hashlib.sha256()
         with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
             for item in plan.items:
                 data = planner.resolve_data(item)
                 offset = stream.tell()
                 if item.type == WriteItemType.BYTE_IO:
-                    stream.write(data.getbuffer())
+                    buffer = data.getbuffer()
                     descriptors = None
                 else:
                     if data.device.type != "cpu":
                         raise RuntimeError(f"{item.index.fqn} is on {data.device}: "
                                            "stage it to host memory first")
-                    stream.write(tensor_bytes(data))
+                    buffer = tensor_bytes(data)
                     descriptors = [RAW]
+                stream.write(buffer)
+                sha.update(buffer)
                 length = stream.tell() - offset
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
                                            storage_data=dcp_storage_info(name, offset, length, descriptors)))
             if self.sync_files:
                 stream.flush()
                 _sync(stream)
+        self.digests = {name: sha.hexdigest()}
         done: Future = Future()
         done.set_result(results)
         return done

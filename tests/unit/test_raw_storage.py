@@ -1,7 +1,8 @@
 """raymp's DCP storage (raw_storage.py): tensors go to the files as their raw bytes and come back
 the same, on a path and a URI; checkpoints written by torch.save (DCP's own writer) still load;
 DCP's own reader refuses raw files rather than misreading them; a short or mis-sized file is an
-error, never a tensor of the wrong bytes."""
+error, never a tensor of the wrong bytes; the writer's checksum of its file is the file's, so the
+rank does not read it back."""
 
 from __future__ import annotations
 
@@ -44,6 +45,23 @@ def _same(loaded: dict, sd: dict) -> None:
             assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), key
     assert loaded["scheduler"] == sd["scheduler"]
     assert loaded["blob"].getvalue() == b"\x00\x01raw"
+
+
+@pytest.mark.parametrize("uri", [False, True], ids=["path", "fsspec"])
+def test_writer_hashes_its_file_as_written(tmp_path, uri, monkeypatch):
+    from raymp.checkpoint import integrity
+
+    path = f"file://{tmp_path}/ck" if uri else str(tmp_path / "ck")
+    writer = storage_writer(path)
+    dcp.save(_state(), storage_writer=writer, no_dist=True)
+    fs, data = integrity.fsspec_fs(str(tmp_path / "ck" / "__0_0.distcp"))
+    assert writer.digests == {"__0_0.distcp": integrity.file_sha256(fs, data)}
+    read_back = []
+    real = integrity.file_sha256
+    monkeypatch.setattr(integrity, "file_sha256", lambda fs, p: read_back.append(p) or real(fs, p))
+    files = integrity.rank_files(path, 0, writer.digests)
+    assert files == integrity.directory_files(path)  # .metadata and the rank's file, as the driver lists them
+    assert [p.rsplit("/", 1)[-1] for p in read_back] == [".metadata", ".metadata", "__0_0.distcp"]
 
 
 @pytest.mark.parametrize("uri", [False, True], ids=["path", "fsspec"])
