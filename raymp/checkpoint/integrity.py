@@ -2,7 +2,8 @@
 
 DCP itself checks nothing: a shard with bytes flipped inside a tensor loads without error (the
 loss went to 2e36 and the run carried on). So every rank hashes the files it wrote, in the
-background thread that wrote them, and the driver records them in the marker; before a load the
+background thread that wrote them (the raw writer from the bytes it wrote, raw_storage.py; other
+files read back), and the driver records them in the marker; before a load the
 ranks verify a share of the files each, and a damaged checkpoint is passed over for an older one.
 
 Rank r's files are DCP's `__r_*.distcp` (its storage plan's prefix); rank 0, DCP's coordinator in
