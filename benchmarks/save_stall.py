@@ -4,8 +4,9 @@
 with the raw writer's file read back to be hashed (as another writer's files are), with DCP's own
 writer (torch.save per tensor), with DCP's writer into a stream that drops the bytes (its
 serialization alone), and with the host copy only (nothing written), each by a worker subclass
-(raymp's code unchanged). Each variant's stall is priced as in the cost table (benchmarks.recovery.in_run_cost),
-and beside it what the step after a save took on the ranks beyond the run's median step
+(raymp's code unchanged). Each variant's stall is priced as in the cost table
+(benchmarks.recovery.in_run_cost), and beside it what the step after a save took on the ranks
+beyond the run's median step
 (`compute_s`: the step call's wall time; `own_s`: the training thread on a CPU or waiting for one).
 
     python -m benchmarks.run_all --only save_stall --update
