@@ -6,17 +6,16 @@ Trainer steps it."""
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 from raymp.checkpoint.coordinator import CheckpointCoordinator
 from raymp.checkpoint.restore import COLLECTIVE_KNOB, restore_newest_intact
 from raymp.checkpoint.store import Checkpoint
 from raymp.config import ConfigError, RunConfig, resolved_dict
-from raymp.driver.failed_step import FailedStep, vote_record
-from raymp.driver.health import StepDeadline
+from raymp.driver.failed_step import vote_record
 from raymp.driver.launch import FromMemory, FromNewest, Launcher, RunParts
 from raymp.driver.metrics import peak_tflops, step_metrics, with_stand_ins
+from raymp.driver.step_calls import StepCalls
 from raymp.driver.stopping import stop_signals_held
 from raymp.elastic import with_dp, with_replicas
 from raymp.models import model_args
@@ -44,13 +43,9 @@ class Session:
         # The run's step counter: optimizer steps done, those before a restored position included.
         # A launch sets it to where its data streams start; each step's results advance it.
         self.global_step = 0
-        self._ahead = None  # (step, refs, dispatched at, carries a save): queued, not yet collected
-        self.failed = FailedStep()  # the calls of the step a rank was lost in
+        self.calls = StepCalls(config)  # how steps are queued and collected, the failed one kept
         # A failed step its vote took, recorded for the Trainer (commit_failed_step).
         self.committed: tuple[int, list, dict] | None = None
-        self._last_collected = 0.0  # when the last step's results came back
-        self.queued_early: list[int] = []  # steps queued before the previous one's results were read
-        self.deadline = StepDeadline(config.elastic)  # how long a step may take before a rank counts as hung
 
     def start(self, position) -> Checkpoint | None:
         """The run's first launch: at the lineage's newest intact state, else at `position` (a
@@ -63,8 +58,8 @@ class Session:
     def launch(self, start: FromNewest | FromMemory, group: ActorGroup | None = None) -> Checkpoint | None:
         """The actors for self.config's layout (on `group`, else new ones), brought to the state
         `start` says (Launcher.launch). Returns what it restored from storage or a peer copy."""
-        self.group, self._ahead = None, None
-        self.deadline.new_launch()
+        self.group = None
+        self.calls.new_launch()
         launched = self.launcher.launch(self.config, start, group)
         self.group, self.config = launched.group, launched.config
         self.global_step = self.feed.start.step
@@ -94,44 +89,18 @@ class Session:
         return flops, peak_tflops(cfg, self.device), estimate
 
     def queued(self) -> bool:
-        return self._ahead is not None  # a step queued on the ranks ahead of the driver (dispatch_ahead)
+        return self.calls.queued()  # a step queued on the ranks ahead of the driver (dispatch_ahead)
 
     def run_step(self, step: int, next_may_start: bool = False) -> tuple[list, dict]:
         """One optimizer step on every rank: (the ranks' reports, the step's metrics).
-        `next_may_start`: the caller will run step+1 next with nothing in between on its side, so
-        step+1 is queued on the ranks before this step's results are read: the ranks start it the
-        moment this one ends (and the save due between, which rides on this step's call: see
-        CheckpointCoordinator.order), while the driver handles this step's metrics, commits and
-        tracking. Not across a save that could not ride, nor a peer copy. Look-ahead is one step deep."""
-        cfg = self.config
-        ahead, self._ahead = self._ahead, None
-        pending = ahead if ahead is not None and ahead[0] == step else self._dispatch(step)
-        _, refs, dispatched, rides = pending
-        save_between = self.checkpoints.due(step + 1, cfg.train.steps) and not rides
-        if next_may_start and not (save_between or self.peer_copies.due(step + 1)):
-            self._ahead = self._dispatch(step + 1)
-            self.queued_early.append(step + 1)
-        started = max(dispatched, self._last_collected)  # a queued step starts when the one before ends
-        # A blocking save riding on the step is written inside its call: more time, not a hang.
-        writes = cfg.checkpoint.write_timeout_s if rides and not cfg.checkpoint.async_save else None
-        try:
-            reports = self.group.collect(refs, *self.deadline.limit(writes))
-        except WorkerLostError as lost:
-            # The survivors' calls end with errors of their own: read later (FailedStep.read_results).
-            self.failed.record(step, refs, self._ahead[1] if self._ahead else [])
-            self._ahead = None  # its ranks are torn down with the failed step's
-            raise WorkerLostError(f"step {step}: {lost}", lost.rank, lost.kind, step) from lost
-        self._last_collected = time.perf_counter()
+        `next_may_start`: the caller runs step+1 next with nothing in between on its side, so it
+        may be queued on the ranks early (StepCalls.run; the save due between rides on this
+        step's call: CheckpointCoordinator.order)."""
+        reports, seconds = self.calls.run(self.group, self.config, self.checkpoints, self.peer_copies, step,
+                                          next_may_start)
         self.global_step = step + 1
-        if writes is None:
-            self.deadline.observe(self._last_collected - started)
-        return reports, step_metrics(step, reports, cfg.parallel.layout, cfg, self._last_collected - started,
+        return reports, step_metrics(step, reports, self.config.parallel.layout, self.config, seconds,
                                      *self._step_constants)
-
-    def _dispatch(self, step: int) -> tuple[int, list, float, bool]:
-        """Queue `step` on every rank, with the save due after it when it can ride on the call."""
-        order = self.checkpoints.order(step + 1, self.config.train.steps)
-        return step, self.group.submit("train_step", step, order), time.perf_counter(), order is not None
 
     def evaluate(self) -> float:
         return sum(losses := [x for x in self.group.call("evaluate") if x is not None]) / len(losses)
@@ -152,10 +121,11 @@ class Session:
         return self.checkpoints.abandon()
 
     def teardown(self) -> None:
-        self.failed.read_results()
+        self.calls.failed.read_results()
         if self.group is not None and self.group is not self.shared_group:
             self.group.shutdown()
-        self.group, self._ahead = None, None
+        self.group = None
+        self.calls.drop_queued()
 
     def relaunch(self, dp: int) -> Checkpoint | None:
         """The run again with `dp` replicas, from the lineage's newest intact state."""
@@ -166,25 +136,25 @@ class Session:
         """Every live rank drops its failed step at once (abandon_steps) and copies its state to
         host memory: rank -> optimizer steps its state holds. The lost rank's replica can no
         longer go on: its other ranks are let go at once, so none of their peers waits on them."""
-        self.failed.add_unread(self.group.abandon_steps())
+        self.calls.failed.add_unread(self.group.abandon_steps())
         if lost_rank is not None and self.config.parallel.layout.state_replicas > 1:  # else: the whole group
             self.group.kill_ranks(self.config.parallel.layout.replica_of(lost_rank))
         kept = self.group.survivors("keep_state", self.config.resources.collective_timeout_s,
                                     COLLECTIVE_KNOB, self.config.elastic.survivor_grace_s,
                                     "elastic.survivor_grace_s")
-        self.failed.read_results()
+        self.calls.failed.read_results()
         return kept
 
     def finished_failed_step(self) -> dict[int, RankReport]:
         """rank -> its report of the failed step, from the ranks whose call of it ended well
         (asked once the survivors answered: their calls of it have ended)."""
-        return self.failed.finished_at(self.global_step)
+        return self.calls.failed.finished_at(self.global_step)
 
     def commit_failed_step(self, finished: dict[int, RankReport]) -> None:
         """The failed step was taken by every rank (its commit vote passed; `finished`: the reports
         that came back): record it (self.committed, for the Trainer) with the loss and samples the
         vote gathered from the ranks whose reports are lost, and count it done."""
-        step, r = self.failed.step, self.config.resources
+        step, r = self.calls.failed.step, self.config.resources
         record = vote_record(self.group.workers, finished, step, r.collective_timeout_s, COLLECTIVE_KNOB)
         layout = self.config.parallel.layout
         reports = with_stand_ins(finished, record, layout)
@@ -232,7 +202,7 @@ class Session:
         """The group shrunk to `ranks` plus `spares`, launched with `config` from `start`. On
         any error but a lost rank (the callers' to handle) the group is shut down."""
         r, group = self.config.resources, self.group
-        self._ahead = None
+        self.calls.drop_queued()
         try:
             group.shrink_to(ranks, r.collective_timeout_s, r.rendezvous_timeout_s, add=spares)
             self.config = config

@@ -525,7 +525,7 @@ def test_a_stopped_rank_is_caught_by_the_automatic_step_deadline_and_the_run_rec
     with Trainer(matrix_cfg(tmp_path, data_cache, elastic={"hang_floor_s": 20}), progress=False) as t:
         def stop_rank_1(name, info):
             if name == "step" and info["done"] == 4 and not stopped:
-                stopped["at"], stopped["limit"] = time.time(), t.session.deadline.limit()
+                stopped["at"], stopped["limit"] = time.time(), t.session.calls.deadline.limit()
                 os.kill(t.session.group.nodes[1]["pid"], signal.SIGSTOP)
 
         t.setup()

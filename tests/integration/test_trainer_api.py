@@ -68,7 +68,7 @@ def test_dispatch_ahead_trains_the_same_steps_and_crosses_a_save_only_where_it_r
                        checkpoint={"every": 2, "async_save": False, "dir": str(tmp_path / f"ckpt-{ahead}")})
         with Trainer(cfg, actor_group=group2, progress=False) as trainer:
             history = trainer.fit()
-            runs[ahead] = (history, trainer.session.queued_early,
+            runs[ahead] = (history, trainer.session.calls.queued_early,
                            [c.step for c in trainer.session.checkpoints.committed])
     (plain, none_early, plain_saves), (ahead, early, saves) = runs[False], runs[True]
     assert none_early == [] and early == [1, 2, 4, 5, 7], early
