@@ -51,8 +51,8 @@ class SlowWriteWorker(Worker):
             write_data = writer.write_data
 
             def slow(plan, planner):
-                while int(path.rstrip("/").rsplit("-", 1)[-1]) >= 4 and not os.path.exists(release):
-                    time.sleep(0.05)
+                if int(path.rstrip("/").rsplit("-", 1)[-1]) >= 4:
+                    faults.wait_until(lambda: os.path.exists(release), f"{release} (the writes' release)", BOUND_S)
                 return write_data(plan, planner)
 
             writer.write_data = slow

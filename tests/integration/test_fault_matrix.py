@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ from helpers.faults import (
     copy_checkpoints,
     kill_rank_after,
     matrix_cfg,
+    wait_until,
 )
 from raymp import Trainer
 from raymp.checkpoint.store import CheckpointError, CheckpointStore
@@ -608,8 +608,7 @@ def _wait_for_cpus(free: float) -> None:
     """The half-built group's resources come back (Ray frees them asynchronously: wait for it)."""
     import ray
 
-    while ray.available_resources().get("CPU", 0) < free:
-        time.sleep(0.05)
+    wait_until(lambda: ray.available_resources().get("CPU", 0) >= free, f"{free:g} free CPUs", 60)
 
 
 @pytest.mark.timeout(120)
