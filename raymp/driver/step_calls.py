@@ -60,7 +60,8 @@ class StepCalls:
         if next_may_start and not (save_between or peer_copies.due(step + 1)):
             self._ahead = self._dispatch(group, config, checkpoints, step + 1)
             self.queued_early.append(step + 1)
-        started = max(pending.dispatched_at, self._last_collected)  # a queued step starts when the one before ends
+        # A step queued early starts when the one before it ends.
+        started = max(pending.dispatched_at, self._last_collected)
         # A blocking save riding on the step is written inside its call: more time, not a hang.
         c = config.checkpoint
         writes = c.write_timeout_s if pending.carries_save and not c.async_save else None

@@ -52,7 +52,8 @@ class SlowWriteWorker(Worker):
 
             def slow(plan, planner):
                 if int(path.rstrip("/").rsplit("-", 1)[-1]) >= 4:
-                    faults.wait_until(lambda: os.path.exists(release), f"{release} (the writes' release)", BOUND_S)
+                    faults.wait_until(lambda: os.path.exists(release), f"{release} (the writes' release)",
+                                      BOUND_S)
                 return write_data(plan, planner)
 
             writer.write_data = slow
