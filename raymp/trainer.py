@@ -309,15 +309,20 @@ class Trainer:
         state, LR schedule and data position."""
         self.setup()
         self.session.load(read_marker(checkpoint) if isinstance(checkpoint, str) else checkpoint, self._warn)
-        self.history = [m for m in self.history if m["step"] < self.global_step]
+        self._drop_history_from(self.global_step)
 
     def _on_elastic_state(self, state) -> None:
         """After a restart (Running again, `after` it): the steps from the resumed one on will run
         again, so they leave the history and MLflow, which logs the restart."""
         if isinstance(state, Running) and state.after is not None:
             event = state.after
-            self.history = [m for m in self.history if m["step"] < event["resumed_step"]]
+            self._drop_history_from(event["resumed_step"])
             self.tracking.on_restart(event, len(self.restarts), self.config.parallel.dp)
+
+    def _drop_history_from(self, step: int) -> None:
+        """The run goes on at `step` (a restart, a loaded checkpoint): the steps from it on will
+        run again, so their records leave the history."""
+        self.history = [m for m in self.history if m["step"] < step]
 
     # -- data and inspection ------------------------------------------------------------------
 
