@@ -219,6 +219,10 @@ def node_loss(probe, root, zero=0, dp=2, nodes=2, cpus=2, after=3, rank=1, commi
     if spares:
         wait_until(lambda: spares.ready() == spares.count, "the warm spares started")
     spare_pids = spares.pids() if spares else []
+    copies = run.trainer.session.peer_copies
+    if copies.every:  # elastic.peer_copy_every: the loss meets the copy of step `after` whole on its nodes
+        wait_until(lambda: _newest_copy_whole(copies, after) or not run.thread.is_alive(),
+                   f"the peer copy of step {after} on its nodes")
     lost_at = time.time()
     probe.remove(run.node_of_rank(rank))
     result = run.finish()
@@ -441,6 +445,16 @@ def _peer_copy(probe, root):
     return _node_loss_after_a_whole_peer_copy(probe, root, 2, {"dp": 2, "zero": 3}, rank=1)
 
 
+def _newest_copy_whole(copies, step: int | None = None) -> bool:
+    """Whether the newest peer copy (of `step`, if given) is in the object store on its nodes:
+    a loss now finds it whole, however busy the machine was while it was handed over."""
+    newest = copies.kept[-1] if copies.kept else None
+    if newest is None or (step is not None and newest.step != step):
+        return False
+    kept = newest.copies
+    return bool(kept) and len(ray.wait(kept, num_returns=len(kept), timeout=0, fetch_local=False)[0]) == len(kept)
+
+
 def _node_loss_after_a_whole_peer_copy(probe, root, cpus: int, parallel: dict, rank: int, **sections) -> dict:
     """No checkpoint on storage before the end; a peer copy every 2 steps. The run is held after
     step 3 (on its training thread, between two steps) while the copy of step 2 becomes whole on
@@ -452,14 +466,7 @@ def _node_loss_after_a_whole_peer_copy(probe, root, cpus: int, parallel: dict, r
                       elastic={"peer_copy_every": 2}, **sections), holds=[steps_done(3)])
     run.when_held("3 steps done")
     copies = run.trainer.session.peer_copies
-
-    def whole() -> bool:
-        kept = copies.kept[-1].copies if copies.kept else []
-        return bool(kept) and len(
-            ray.wait(kept, num_returns=len(kept), timeout=0, fetch_local=False)[0]
-        ) == len(kept)
-
-    wait_until(lambda: whole() or not run.thread.is_alive(), "a peer copy on both its nodes")
+    wait_until(lambda: _newest_copy_whole(copies) or not run.thread.is_alive(), "a peer copy on both its nodes")
     placed = {"nodes": [n["node_id"] for n in run.trainer.group.nodes],
               "copy_nodes": copies.kept[-1].copy_nodes, "step": copies.kept[-1].step}
     probe.remove(run.node_of_rank(rank))
