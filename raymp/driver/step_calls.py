@@ -36,7 +36,7 @@ class StepCalls:
 
     def new_launch(self) -> None:
         """The group's actors or config changed: nothing is queued, and the deadline learns anew."""
-        self._ahead = None
+        self.drop_queued()
         self.deadline.new_launch()
 
     def drop_queued(self) -> None:

@@ -452,7 +452,10 @@ def _newest_copy_whole(copies, step: int | None = None) -> bool:
     if newest is None or (step is not None and newest.step != step):
         return False
     kept = newest.copies
-    return bool(kept) and len(ray.wait(kept, num_returns=len(kept), timeout=0, fetch_local=False)[0]) == len(kept)
+    if not kept:
+        return False
+    ready, _ = ray.wait(kept, num_returns=len(kept), timeout=0, fetch_local=False)
+    return len(ready) == len(kept)
 
 
 def _node_loss_after_a_whole_peer_copy(probe, root, cpus: int, parallel: dict, rank: int, **sections) -> dict:
@@ -466,7 +469,8 @@ def _node_loss_after_a_whole_peer_copy(probe, root, cpus: int, parallel: dict, r
                       elastic={"peer_copy_every": 2}, **sections), holds=[steps_done(3)])
     run.when_held("3 steps done")
     copies = run.trainer.session.peer_copies
-    wait_until(lambda: _newest_copy_whole(copies) or not run.thread.is_alive(), "a peer copy on both its nodes")
+    wait_until(lambda: _newest_copy_whole(copies) or not run.thread.is_alive(),
+               "a peer copy on both its nodes")
     placed = {"nodes": [n["node_id"] for n in run.trainer.group.nodes],
               "copy_nodes": copies.kept[-1].copy_nodes, "step": copies.kept[-1].step}
     probe.remove(run.node_of_rank(rank))
