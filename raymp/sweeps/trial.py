@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +104,11 @@ class RaympTrial(tune.Trainable):
         self.setup(new_config)
         return True
 
+    def stop(self) -> None:
+        """The trial's process ends after this (Tune then sends __ray_terminate__)."""
+        end_at_once_on_sigterm()
+        super().stop()
+
     def cleanup(self) -> None:
         trainer, self.trainer = getattr(self, "trainer", None), None
         if trainer is None:  # its config was refused (Tune's error says why), or it ended already
@@ -113,3 +120,13 @@ class RaympTrial(tune.Trainable):
             # Its steps are final (a stopped trial is not resumed): published, not dropped.
             trainer.end_tracking("FAILED" if self.ended else "KILLED", complete=True)
         trainer.close()
+
+
+def end_at_once_on_sigterm() -> None:
+    """A process on its way out: SIGTERM (the sweep's job ending while it still finalizes) ends it
+    with no Python run. Ray's handler raises SystemExit wherever Python is, and raised inside a
+    weakref callback of the interpreter's teardown, Python prints it as "Exception ignored in"
+    with a traceback, under the sweep's table. Signal handlers are set in the main thread only,
+    where Ray runs a synchronous actor's calls."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -114,3 +114,36 @@ def test_best_trial_skips_trials_without_a_value():
     assert SweepResult("s", "loss", "min", trials, None).best.trial_id == "d"
     result = SweepResult("s", "loss", "max", trials, None)
     assert result.best.trial_id == "a" and "completed (best)" in result.table()
+
+
+_SIGTERM_IN_TEARDOWN = """
+import os, signal, sys, weakref
+def ray_handler(signum, frame):  # as a Ray worker's: SystemExit wherever Python is
+    sys.exit(1)
+signal.signal(signal.SIGTERM, ray_handler)
+if sys.argv[1] == "stopped":
+    from raymp.sweeps.trial import end_at_once_on_sigterm
+    end_at_once_on_sigterm()
+class Thing: pass
+def on_collected(_):  # the job's SIGTERM lands while a weakref callback runs
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(10_000): pass
+thing = Thing(); ref = weakref.ref(thing, on_collected); del thing
+"""
+
+
+@pytest.mark.parametrize("state", ["running", "stopped"])
+def test_a_stopped_trials_process_ends_on_sigterm_without_printing(state):
+    """The sweep's job ends while a stopped trial's process still finalizes: Ray's SIGTERM handler
+    would raise SystemExit inside a weakref callback, which Python prints as "Exception ignored"
+    under the sweep's table (CI saw it once). A stopped trial ends at once and prints nothing."""
+    import signal
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _SIGTERM_IN_TEARDOWN, state], capture_output=True, text=True,
+                         timeout=60)
+    if state == "running":  # the control: what a trial process printed before stop() was its own
+        assert "Exception ignored in" in out.stderr, out.stderr
+    else:
+        assert out.stderr == "" and out.returncode == -signal.SIGTERM, (out.returncode, out.stderr)
