@@ -29,6 +29,7 @@ from raymp.driver.stragglers import StragglerWatch
 from raymp.driver.launch import Launcher, RunParts, as_config, check_vocab, num_params
 from raymp.driver.metrics import stage_events
 from raymp.driver.run_setup import check_destinations, open_lineage, removed_if_setup_fails, say_resume
+from raymp.driver.rank_changes import RankChanges
 from raymp.driver.session import Session
 from raymp.driver.summary import describe, memory_rows, summary
 from raymp.driver.tracking_hooks import NoTracking, RunTracking
@@ -118,7 +119,8 @@ class Trainer:
                                    on_commit=lambda step: self.tracking.on_commit(step),
                                    mlflow_record=lambda: self.tracking.record())
             self.elastic = ElasticController(
-                self.session, RecoveryPolicy(cfg.elastic, self._shared_group is not None),
+                self.session, RankChanges(self.session),
+                RecoveryPolicy(cfg.elastic, self._shared_group is not None),
                 ScalingPolicy(lay, self.device, self.feed.node, cfg.elastic.grow_back), say)
             self.elastic.subscribe(self._on_elastic_state)
             self.resumed_from = resume = self.session.start(self._resume_position)

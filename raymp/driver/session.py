@@ -1,8 +1,8 @@
 """The actors of the run's current layout and what is tied to them: the group, the config it was
 launched with (stage split decided), the ranks' set-up reports, the planner's estimate, the
-checkpoint coordinator, and the run's step counter (a launch sets it, each step advances it). It is
-the run the elastic controller drives (abandon_save, teardown, relaunch, keep_survivors, ...); the
-Trainer steps it."""
+checkpoint coordinator, and the run's step counter (a launch sets it, each step advances it). The
+Trainer steps it; the elastic controller drives it (abandon_save, teardown, relaunch, the failed
+step) and changes its ranks through driver.rank_changes."""
 
 from __future__ import annotations
 
@@ -11,17 +11,16 @@ from typing import Callable
 from raymp.checkpoint.coordinator import CheckpointCoordinator
 from raymp.checkpoint.restore import COLLECTIVE_KNOB, restore_newest_intact
 from raymp.checkpoint.store import Checkpoint
-from raymp.config import ConfigError, RunConfig, resolved_dict
+from raymp.config import RunConfig, resolved_dict
 from raymp.driver.failed_step import vote_record
 from raymp.driver.launch import FromMemory, FromNewest, Launcher, RunParts
 from raymp.driver.metrics import peak_tflops, step_metrics, with_stand_ins
 from raymp.driver.step_calls import StepCalls
 from raymp.driver.stopping import stop_signals_held
-from raymp.elastic import with_dp, with_replicas
+from raymp.elastic import with_dp
 from raymp.models import model_args
 from raymp.step_time import step_flops
 from raymp.runtime.actor_group import ActorGroup
-from raymp.runtime.rank_calls import JoinFailed, WorkerLostError
 from raymp.runtime.report import RankReport, RankSetup
 from raymp.version import __version__
 
@@ -132,19 +131,6 @@ class Session:
         self.config = with_dp(self.config, dp)
         return self.launch(FromNewest(self.initial_position))  # counts only without a checkpoint
 
-    def keep_survivors(self, lost_rank: int | None) -> dict[int, int]:
-        """Every live rank drops its failed step at once (abandon_steps) and copies its state to
-        host memory: rank -> optimizer steps its state holds. The lost rank's replica can no
-        longer go on: its other ranks are let go at once, so none of their peers waits on them."""
-        self.calls.failed.add_unread(self.group.abandon_steps())
-        if lost_rank is not None and self.config.parallel.layout.state_replicas > 1:  # else: the whole group
-            self.group.kill_ranks(self.config.parallel.layout.replica_of(lost_rank))
-        kept = self.group.survivors("keep_state", self.config.resources.collective_timeout_s,
-                                    COLLECTIVE_KNOB, self.config.elastic.survivor_grace_s,
-                                    "elastic.survivor_grace_s")
-        self.calls.failed.read_results()
-        return kept
-
     def finished_failed_step(self) -> dict[int, RankReport]:
         """rank -> its report of the failed step, from the ranks whose call of it ended well
         (asked once the survivors answered: their calls of it have ended)."""
@@ -163,114 +149,11 @@ class Session:
         metrics["stand_in_ranks"] = [rep.rank for rep in reports if rep.stand_in]
         self.committed, self.global_step = (step, reports, metrics), step + 1
 
-    def continue_with_kept_state(self, ranks: list[int], config: RunConfig, spares: int = 0) -> list[int]:
-        """The run again on the live `ranks` (same processes, in order) and `spares` warm spare
-        ranks after them, with `config`'s layout and the state the live ranks kept in memory
-        (whole copies of it, elastic.with_replicas), from the step it holds; each spare takes the
-        copy of the rank in its place of replica 0. No storage read. Returns the ranks' process
-        ids. A loss while spares join costs the kept ranks nothing: JoinFailed, the group back to
-        them alone."""
-        lay = config.parallel.layout
-        joined = {rank: lay.copy_source(rank) for rank in range(len(ranks), len(ranks) + spares)}
-        try:
-            self._on_ranks(ranks, config, spares, FromMemory(self.position(), joined))
-        except WorkerLostError as error:
-            if spares and (alone := _alone(config, len(ranks))):
-                # A loss while spares joined: the group goes back to the survivors, who still hold
-                # their state (Worker.keep_state); the next keep_survivors finds which are alive.
-                self.group.forget_joined(len(ranks))
-                self.config = alone
-                raise _join_failed(error) from error
-            self._shut_down()
-            raise
-        return [n["pid"] for n in self.group.nodes]
-
-    def continue_with_reloaded_state(self, ranks: list[int], config: RunConfig,
-                                     spares: int = 0) -> tuple[Checkpoint | None, list[int]]:
-        """The run again on the live `ranks` (same processes, in order) and `spares` warm spare
-        ranks after them, with `config`'s layout, set up anew and restored like a restart (a
-        peer copy, else the lineage). Returns (what was restored, the ranks' process ids)."""
-        try:
-            restored = self._on_ranks(ranks, config, spares, FromNewest(self.initial_position))
-        except WorkerLostError:
-            self._shut_down()  # a fault while re-forming: the restart path starts from nothing
-            raise
-        return restored, [n["pid"] for n in self.group.nodes]
-
-    def _on_ranks(self, ranks: list[int], config: RunConfig, spares: int,
-                  start: FromNewest | FromMemory) -> Checkpoint | None:
-        """The group shrunk to `ranks` plus `spares`, launched with `config` from `start`. On
-        any error but a lost rank (the callers' to handle) the group is shut down."""
-        r, group = self.config.resources, self.group
-        self.calls.drop_queued()
-        try:
-            group.shrink_to(ranks, r.collective_timeout_s, r.rendezvous_timeout_s, add=spares)
-            self.config = config
-            restored = self.launch(start, group)
-        except BaseException as error:
-            self.group = group  # launch let go of it
-            if not isinstance(error, WorkerLostError):
-                self._shut_down()
-            raise
-        return restored
-
-    def _shut_down(self) -> None:
+    def shut_down(self) -> None:
+        """Kill the group's actors (a fault while re-forming it: a restart starts from nothing)."""
         if self.group is not None:
             self.group.shutdown()
         self.group = None
-
-    def stop_rank(self, rank: int) -> None:
-        """Stop one rank's process (a straggler replaced): the next step finds it lost."""
-        self.group.kill_ranks([rank])
-
-    def ready_spares(self) -> int:
-        """Warm spare ranks ready to take lost ranks' places now (elastic.spares)."""
-        return self.group.spares.ready() if self.group is not None and self.group.spares else 0
-
-    def has_room_to_join(self) -> bool:
-        """Free bundles or warm spares, where ranks could join (cheap: no call to Ray)."""
-        return self.group is not None and self.group.has_room()
-
-    def joinable_replicas(self) -> int:
-        """Whole copies of the state that could start now in the group's free bundles."""
-        lay = self.config.parallel.layout
-        return self.group.joinable() // lay.ranks_per_copy
-
-    def join_live(self, replicas: int) -> list[int]:
-        """`replicas` whole copies of the state (more than now) from the next step: new ranks start
-        in free bundles and each takes the copy of the rank in its place of replica 0 (the others
-        keep theirs). No storage read, no step redone. Returns the kept ranks' process ids."""
-        config = self.config  # put back if the join fails
-        group, r, lay = self.group, config.resources, config.parallel.layout
-        if self.checkpoints.pending is not None:
-            self.checkpoints.finish(group)
-        per, before = lay.ranks_per_copy, lay.world_size
-        try:
-            held = set(group.call("keep_state", timeout_s=r.collective_timeout_s, knob=COLLECTIVE_KNOB))
-            if held != {
-                self.global_step
-            }:  # never: every rank ran every step; a join must not resume elsewhere
-                raise RuntimeError(
-                    f"ranks hold states after steps {sorted(held)}, the run is at {self.global_step}"
-                )
-            group.grow((replicas - lay.state_replicas) * per, r.collective_timeout_s, r.rendezvous_timeout_s)
-            self.config = with_replicas(self.config, replicas)
-            self.launch(FromMemory(self.position(),
-                                   {rank: lay.copy_source(rank) for rank in range(before, group.world_size)}),
-                        group)
-            return [n["pid"] for n in group.nodes[:before]]
-        except Exception as error:
-            # The ranks that were there still hold their state (Worker.keep_state): the joined ones
-            # go, and the elastic policy decides as for any loss (the survivors go on, by default).
-            group.forget_joined(before)
-            self.group, self.config = group, config  # as before the join (launch let go of both)
-            if _joining_rank_lost(error, before):  # no rank of the layout the survivors go on in
-                raise _join_failed(error) from error
-            raise
-        except BaseException:
-            group.shutdown()  # interrupted: the run stops
-            self.group = None
-            raise
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -341,19 +224,3 @@ class Session:
 
             self.checkpoints.commit_on_stop(self.group, holding)
 
-
-def _joining_rank_lost(error: Exception, before: int) -> bool:
-    """Whether `error` is the loss of a rank that was joining the group (its ranks from `before` on)."""
-    return isinstance(error, WorkerLostError) and error.rank is not None and error.rank >= before
-
-
-def _join_failed(error: WorkerLostError) -> JoinFailed:
-    return JoinFailed(f"a rank that was joining: {error}", None, error.kind, error.step)
-
-
-def _alone(config: RunConfig, ranks: int) -> RunConfig | None:
-    """`config` with only the whole copies of the state its first `ranks` ranks hold, if valid."""
-    try:
-        return with_replicas(config, ranks // config.parallel.layout.ranks_per_copy)
-    except ConfigError:
-        return None

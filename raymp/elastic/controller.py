@@ -16,9 +16,10 @@
 
 `RecoveryPolicy.decide` sees the failure (what was lost, how, and in which state) and the run's
 failures so far, and returns what to do; `ScalingPolicy` decides the dp to go on with and when
-to grow back. The controller drives a run through the small interface below (the Trainer's
-session): it never touches actors, checkpoints or tracking itself. Every restart ends in one
-`RestartEvent`, made by `_restart_event`; listeners (`subscribe`) see every state entered.
+to grow back. The controller drives a run through the two small interfaces below (the Trainer's
+session, and RankChanges on it for changing its ranks): it never touches actors, checkpoints or
+tracking itself. Every restart ends in one `RestartEvent`, made by `_restart_event`; listeners
+(`subscribe`) see every state entered.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from raymp.runtime.rank_calls import JoinFailed, WorkerLostError
 
 
 class ElasticRun(Protocol):
-    """What the controller needs of a run."""
+    """What the controller needs of a run (driver.session.Session)."""
 
     config: object
     group: object  # the live actor group, None once torn down
@@ -50,11 +51,17 @@ class ElasticRun(Protocol):
 
     def relaunch(self, dp: int) -> Checkpoint | None: ...
 
-    def keep_survivors(self, lost_rank: int | None) -> dict[int, int]: ...
-
     def finished_failed_step(self) -> dict: ...
 
     def commit_failed_step(self, finished: dict) -> None: ...
+
+    def commit_in_flight(self) -> None: ...
+
+
+class ElasticRanks(Protocol):
+    """How the controller changes a live run's ranks (driver.rank_changes.RankChanges)."""
+
+    def keep_survivors(self, lost_rank: int | None) -> dict[int, int]: ...
 
     def continue_with_kept_state(self, ranks: list[int], config, spares: int = 0) -> list[int]: ...
 
@@ -70,16 +77,15 @@ class ElasticRun(Protocol):
 
     def join_live(self, replicas: int) -> list[int]: ...
 
-    def commit_in_flight(self) -> None: ...
-
     def stop_rank(self, rank: int) -> None: ...
 
 
 # -- the controller ----------------------------------------------------------------------------
 
 class ElasticController:
-    def __init__(self, run: ElasticRun, policy: RecoveryPolicy, scaling: ScalingPolicy, say=print):
-        self.run, self.policy, self.scaling, self.say = run, policy, scaling, say
+    def __init__(self, run: ElasticRun, ranks: ElasticRanks, policy: RecoveryPolicy, scaling: ScalingPolicy,
+                 say=print):
+        self.run, self.ranks, self.policy, self.scaling, self.say = run, ranks, policy, scaling, say
         self.state: State = Running()
         self.transitions: list[tuple[str, float]] = [(Running.name, time.time())]
         self.failures: list[dict] = []  # every lost rank, in order (faults while recovering too)
@@ -118,7 +124,7 @@ class ElasticController:
         place from their memory). Returns why it was not replaced (RecoveryPolicy), or None."""
         if why := self.policy.replacement_refusal(self.failures):
             return why
-        self.run.stop_rank(rank)
+        self.ranks.stop_rank(rank)
         return None
 
     def grow(self) -> RestartEvent | None:
@@ -133,7 +139,7 @@ class ElasticController:
         may join live (ScalingPolicy.may_join) and the group has free bundles or warm spares:
         there the lost replicas come back, live (join_if_room)."""
         cfg = self.run.config
-        joins_live = self.scaling.may_join(cfg) and self.run.has_room_to_join()
+        joins_live = self.scaling.may_join(cfg) and self.ranks.has_room_to_join()
         return not joins_live and self.scaling.grow_to(cfg) is not None
 
     def join_if_room(self, now: bool) -> bool:
@@ -142,9 +148,9 @@ class ElasticController:
         `now`: no step is queued on the ranks. True when replicas wait to join but must not yet
         (the caller then queues no step ahead, and joins before the next)."""
         if self.policy.refusal() or not self.scaling.may_join(self.run.config) or \
-                not self.run.has_room_to_join():
+                not self.ranks.has_room_to_join():
             return False
-        n = self.scaling.replicas_to_join(self.run.config, self.run.joinable_replicas())
+        n = self.scaling.replicas_to_join(self.run.config, self.ranks.joinable_replicas())
         if n is None or not now:
             return n is not None
         self._drive(Joining(n))
@@ -244,9 +250,10 @@ class ElasticController:
         nothing read from storage; reload it from peer copies; or nothing (the run restores)."""
         t0 = time.monotonic()
         cfg, lost = self.run.config, state.failure
-        kept = self.run.keep_survivors(lost.rank if lost.kind == "died" else None)
+        kept = self.ranks.keep_survivors(lost.rank if lost.kind == "died" else None)
         finished = self.run.finished_failed_step()
-        plan = self.policy.survivors(cfg, kept, self.run.global_step, set(finished), self.run.ready_spares())
+        spares = self.ranks.ready_spares()
+        plan = self.policy.survivors(cfg, kept, self.run.global_step, set(finished), spares)
         if isinstance(plan, Refuse):
             self.say(f"elastic: the survivors cannot go on alone ({plan.why}); restarting from the lineage")
             return Restoring("failure", first, refused=plan.why)
@@ -261,7 +268,7 @@ class ElasticController:
         if plan.spares:
             self.say(f"elastic: {plan.spares} warm spare rank(s) take the lost ranks' places, their state "
                      "from the survivors")
-        pids = self.run.continue_with_kept_state(plan.ranks, with_replicas(cfg, plan.replicas), plan.spares)
+        pids = self.ranks.continue_with_kept_state(plan.ranks, with_replicas(cfg, plan.replicas), plan.spares)
         event = self._restart_event("failure", "survivors", first, in_flight, before,
                                     resumed_step=self.run.global_step, checkpoint=None, since=t0, pids=pids)
         return Running(event)
@@ -270,7 +277,7 @@ class ElasticController:
         self, state: ReloadingSurvivors, first: WorkerLostError, in_flight: tuple | None
     ) -> State:
         t0, before = time.monotonic(), self.run.config.parallel.layout.record()
-        restored, pids = self.run.continue_with_reloaded_state(
+        restored, pids = self.ranks.continue_with_reloaded_state(
             state.ranks, with_dp(self.run.config, state.dp), state.spares
         )
         return Running(
@@ -316,7 +323,7 @@ class ElasticController:
 
     def _join(self, state: Joining) -> State:
         t0, before = time.monotonic(), self.run.config.parallel.layout.record()
-        pids = self.run.join_live(state.replicas)
+        pids = self.ranks.join_live(state.replicas)
         return Running(
             self._restart_event(
                 "grow",

@@ -153,7 +153,7 @@ def kill_rank_after(trainer, steps: int, rank: int | list[int] = 1, committed: b
     def on_event(name, info):
         if until_room and done == [True] and trainer.restarts and name == "step":
             joined = lambda: any(r.get("recovery") == "live join" for r in trainer.restarts)  # noqa: E731
-            wait_until(lambda: joined() or trainer.session.joinable_replicas(),
+            wait_until(lambda: joined() or trainer.elastic.ranks.joinable_replicas(),
                        f"the let-go bundles freed (ROOM_TIMEOUT_S; restarts: "
                        f"{[r.get('recovery') for r in trainer.restarts]})", ROOM_TIMEOUT_S)
             done.append(True)

@@ -1,5 +1,5 @@
-"""The elastic controller's state machine without actors: a scripted run (the ElasticRun
-interface) and scripted failures drive it through every state and transition, and each path's
+"""The elastic controller's state machine without actors: a scripted run (the ElasticRun and
+ElasticRanks interfaces in one object) and scripted failures drive it through every state and transition, and each path's
 restart event says what happened. The fault matrix runs the same paths with real actors."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _config(**elastic):
 
 
 class ScriptedRun:
-    """The ElasticRun interface, answering from a script: `relaunch_faults` are raised by the
+    """The ElasticRun and ElasticRanks interfaces, answering from a script: `relaunch_faults` are raised by the
     next relaunches, in order (then it succeeds); `held` is what keep_survivors reports;
     `took`: the survivors' calls of the failed step ended well (its commit vote passed)."""
 
@@ -120,7 +120,7 @@ class ScriptedScaling:
 def _controller(run, scaling=None, shared=False):
     said = []
     controller = ElasticController(
-        run, RecoveryPolicy(run.config.elastic, shared), scaling or ScriptedScaling(), said.append
+        run, run, RecoveryPolicy(run.config.elastic, shared), scaling or ScriptedScaling(), said.append
     )
     controller.subscribe(run.on_state)
     return controller, said
