@@ -10,7 +10,8 @@ import sys
 USER_ERRORS = (("raymp.config.schema", "ConfigError"), ("raymp.data", "DataError"),
                ("raymp.runtime.actor_group", "PlacementError"),
                ("raymp.runtime.actor_group", "WorkerLostError"), ("raymp.elastic", "ElasticError"),
-               ("raymp.checkpoint.store", "CheckpointError"), ("raymp.driver.health", "NonFiniteError"))
+               ("raymp.checkpoint.store", "CheckpointError"), ("raymp.driver.health", "NonFiniteError"),
+               ("raymp.ray_connection", "RayStartError"))
 
 
 def user_errors() -> tuple[type, ...]:

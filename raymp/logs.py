@@ -8,8 +8,9 @@ import logging
 from contextlib import contextmanager
 
 # Ray, starting an instance private to this process: that token auth is on (the right default for
-# it) and that it started.
-RAY_LOCAL_START = ("ray._private.authentication.authentication_token_setup", "ray._private.worker")
+# it), that it started, and each time a busy machine's raylet has not yet registered with the GCS.
+RAY_LOCAL_START = ("ray._private.authentication.authentication_token_setup", "ray._private.worker",
+                   "ray._private.node")
 # MLflow, creating an embedded database: its table set-up, at INFO on MLflow's own handler.
 MLFLOW_DB_SETUP = ("mlflow.store.db.utils",)
 # MLflow's system-metrics monitor says at INFO that it started, stops, stopped, and skips GPUs.

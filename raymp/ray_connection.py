@@ -14,6 +14,10 @@ import ray
 from raymp.logs import RAY_LOCAL_START, quiet_loggers
 
 
+class RayStartError(RuntimeError):
+    """A local Ray instance did not start (its raylet or GCS did not come up in time)."""
+
+
 def _cluster_address(address: str | None) -> str | None:
     """The cluster to join: the one given, else the one this process runs in (ray job submit)."""
     return address or os.environ.get("RAY_ADDRESS") or None
@@ -39,7 +43,14 @@ def connect(address: str | None, min_cpus: float) -> None:
         # A Ray of its own, even while another instance runs on this machine (a plain ray.init()
         # would join that one, or refuse num_cpus).
         with quiet_loggers(*RAY_LOCAL_START):
-            ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+            try:
+                ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+            except Exception as exc:  # the machine's state, not the run's: one line, no traceback
+                raise RayStartError(
+                    f"Ray could not start a local instance ({str(exc).strip().splitlines()[0]}); on "
+                    "a busy machine Ray's own 30 s start-up bound (not a setting) can pass: try again "
+                    "when the load is lower, or join a running cluster with resources.address (or "
+                    "RAY_ADDRESS)") from exc
     for signum, handler in kept.items():
         signal.signal(signum, handler)
     _kernel_ends_on_sigterm()
