@@ -42,6 +42,9 @@ def test_a_local_ray_that_does_not_start_is_one_line(tmp_path, monkeypatch, caps
                         "raylet failed to startup or the GCS has become overloaded.")
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    # As in a new process: in the whole suite this one already holds the session's Ray (its
+    # integration tests ran first), which connect() would join instead of starting one.
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", timed_out)
     assert main(["train", "configs/tiny.yaml", "--set", f"output_dir={tmp_path}", "--no-progress"]) == 2
     printed = capsys.readouterr()
