@@ -1,6 +1,7 @@
 """The elastic controller's state machine without actors: a scripted run (the ElasticRun and
-ElasticRanks interfaces in one object) and scripted failures drive it through every state and transition, and each path's
-restart event says what happened. The fault matrix runs the same paths with real actors."""
+ElasticRanks interfaces in one object) and scripted failures drive it through every state and
+transition, and each path's restart event says what happened. The fault matrix runs the same
+paths with real actors."""
 
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ def _config(**elastic):
 
 
 class ScriptedRun:
-    """The ElasticRun and ElasticRanks interfaces, answering from a script: `relaunch_faults` are raised by the
-    next relaunches, in order (then it succeeds); `held` is what keep_survivors reports;
+    """The ElasticRun and ElasticRanks interfaces, answering from a script: `relaunch_faults` are
+    raised by the next relaunches, in order (then it succeeds); `held` is what keep_survivors reports;
     `took`: the survivors' calls of the failed step ended well (its commit vote passed)."""
 
     def __init__(self, config, step: int = 5, relaunch_faults=(), held=None, took=False, spares=0):
